@@ -1,0 +1,89 @@
+"""What calls return: frozen dataclasses, with ``as_dict()`` where a wire format needs one."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from ._phase import Phase
+
+__all__ = ["ComponentPlacement", "OccupationResult", "PlacementReport", "UpdateResult"]
+
+
+@dataclass(frozen=True)
+class OccupationResult:
+    """The answer to sleep/wake (``release_memory_occupation``/``resume_memory_occupation``)."""
+
+    success: bool
+    sleeping: bool
+    message: str
+    phase: Phase
+    bytes_moved: int = 0
+    bytes_released: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The reference's wire format plus our extra fields."""
+        return {"success": self.success, "sleeping": self.sleeping, "message": self.message,
+                "phase": self.phase.value, "bytes_moved": self.bytes_moved,
+                "bytes_released": self.bytes_released, "seconds": self.seconds}
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """The answer to a weight update."""
+
+    success: bool
+    message: str
+    version: int
+    updated: tuple[str, ...] = ()
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"success": self.success, "message": self.message, "version": self.version,
+                "updated": list(self.updated), "bytes_written": self.bytes_written,
+                "seconds": self.seconds}
+
+
+@dataclass(frozen=True)
+class ComponentPlacement:
+    """Where one component's bytes are."""
+
+    mode: str
+    device_bytes: int
+    host_bytes: int
+    pinned_bytes: int
+    total_bytes: int
+
+    @property
+    def pageable_bytes(self) -> int:
+        return self.host_bytes - self.pinned_bytes
+
+
+@dataclass(frozen=True)
+class PlacementReport:
+    """Where the pipeline's bytes are, per component and in total."""
+
+    phase: Phase
+    components: Mapping[str, ComponentPlacement] = field(
+        default_factory=lambda: MappingProxyType({}))
+    device_allocated: int | None = None  # the allocator's own count (CUDA), None on CPU
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(c.device_bytes for c in self.components.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(c.host_bytes for c in self.components.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(c.pinned_bytes for c in self.components.values())

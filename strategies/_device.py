@@ -1,0 +1,240 @@
+"""The device layer: the only module that knows CUDA.
+
+Everything above it moves bytes through four verbs: allocate on the device, allocate on
+the host, copy a batch of (destination, source) pairs, and wait. Two implementations:
+
+* :class:`CudaDevice` -- pinned host memory, one copy stream per direction, an event per
+  batch; the event loop never blocks (the wait happens in a worker thread).
+* :class:`CpuDevice` -- CPU tensors stand for the device tier, separate host buffers for the
+  host tier, copies in a worker thread. It is real code, not a mock: the same strategies
+  drive it and every failure path is exercised on it.
+
+Allocation and copy go through the overridable ``_alloc`` and ``_copy_one`` hooks, so a test
+layer can fail the k-th one (see ``lifecycle.testing``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal, Protocol
+
+import anyio
+import anyio.to_thread
+import torch
+
+__all__ = [
+    "CopyHandle",
+    "CopyPair",
+    "CpuDevice",
+    "CudaDevice",
+    "DeviceLayer",
+    "Tier",
+    "make_device_layer",
+    "resolve_device",
+]
+
+Tier = Literal["device", "host"]
+CopyPair = tuple[torch.Tensor, torch.Tensor]  # (destination, source), both 1-D uint8
+
+
+class CopyHandle(Protocol):
+    """A copy started from synchronous code (forward hooks): wait before using the bytes."""
+
+    def wait(self) -> None:
+        """Order the compute after the copy (CUDA: stream wait; CPU: block until done).
+
+        Re-raises an error the copy hit."""
+        ...
+
+    def done(self) -> bool:
+        """Whether the copy has finished (never blocks)."""
+        ...
+
+
+class _FutureHandle:
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class _EventHandle:  # pragma: no cover - CUDA only
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self._event = event
+        self._device = device
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+
+    def done(self) -> bool:
+        return bool(self._event.query())  # type: ignore[no-untyped-call]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` picks CUDA when it is available, else the CPU; ``"cuda"`` means the current GPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"invalid device {device!r}; expected 'cpu', 'cuda', 'cuda:N' "
+                         "or a torch.device") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    if dev.type != "cpu":
+        raise ValueError(f"unsupported device type {dev.type!r}; expected 'cpu' or 'cuda'")
+    return dev
+
+
+class DeviceLayer:
+    """Allocation and copies for one device and its host tier.
+
+    Subclasses implement :meth:`copy`; allocation and per-pair copies funnel through
+    :meth:`_alloc` and :meth:`_copy_one` so that faults can be injected at each one.
+    """
+
+    device: torch.device
+    pinned: bool = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._count_lock = threading.Lock()
+        self.copies = 0
+        self.allocations = 0
+        self.host_allocations = 0
+
+    # -- allocation ----------------------------------------------------------------
+    def alloc(self, nbytes: int, tier: Tier) -> torch.Tensor:
+        """A fresh 1-D uint8 buffer of ``nbytes`` on ``tier`` (pinned host memory on CUDA)."""
+        with self._count_lock:
+            self.allocations += 1
+            self.host_allocations += tier == "host"
+        return self._alloc(nbytes, tier)
+
+    def _alloc(self, nbytes: int, tier: Tier) -> torch.Tensor:
+        if tier == "device":
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    # -- copies --------------------------------------------------------------------
+    def _copy_one(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self._count_lock:
+            self.copies += 1
+        dst.copy_(src, non_blocking=self.pinned)
+
+    def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
+        """Start copying every pair in the background; returns at once (forward hooks)."""
+        raise NotImplementedError
+
+    async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
+        """Copy every pair (``dst.copy_(src)``) and return when all bytes have landed.
+
+        A copy that has started is never abandoned: on cancellation this waits for the
+        batch to finish before the cancellation propagates, so callers may free buffers.
+        """
+        raise NotImplementedError
+
+    # -- accounting ----------------------------------------------------------------
+    def empty_cache(self) -> None:
+        """Give cached, unused device blocks back to the driver (no-op on CPU)."""
+
+    def memory_allocated(self) -> int | None:
+        """Bytes of live device tensors as the allocator sees them; None where unknown."""
+        return None
+
+    def synchronize(self) -> None:
+        """Block until all queued device work is done (scripts and tests only)."""
+
+
+class CpuDevice(DeviceLayer):
+    """CPU tensors as the device tier; copies run in one worker thread per layer."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__(device or torch.device("cpu"))
+        self._limiter = anyio.CapacityLimiter(1)
+        self._copier: ThreadPoolExecutor | None = None
+
+    def _copy_batch(self, pairs: Sequence[CopyPair]) -> None:
+        for dst, src in pairs:
+            self._copy_one(dst, src)
+
+    def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
+        # The CPU stand-in for a copy stream: one background thread, in submission order.
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="residency-copy")
+        return _FutureHandle(self._copier.submit(self._copy_batch, list(pairs)))
+
+    async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
+        if pairs:
+            # abandon_on_cancel=False: a cancelled caller waits for the thread to finish.
+            await anyio.to_thread.run_sync(self._copy_batch, pairs, limiter=self._limiter)
+
+
+class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_check.py
+    """Pinned host tier, a copy stream per direction, events waited on in a worker thread."""
+
+    pinned = True
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        with torch.cuda.device(device):
+            self._streams: dict[Tier, torch.cuda.Stream] = {
+                "device": torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
+                "host": torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
+            }
+        self._limiter = anyio.CapacityLimiter(2)
+
+    def _enqueue(self, pairs: Sequence[CopyPair], to: Tier) -> torch.cuda.Event:
+        stream = self._streams[to]
+        with torch.cuda.device(self.device):
+            # Device buffers were allocated (and sources written) on the compute stream:
+            # the copy stream must not start before that work.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                try:
+                    for dst, src in pairs:
+                        self._copy_one(dst, src)
+                except BaseException:
+                    # Copies already queued must land before the caller frees their buffers.
+                    stream.synchronize()
+                    raise
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+        return event
+
+    def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
+        return _EventHandle(self._enqueue(pairs, to), self.device)
+
+    async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
+        if not pairs:
+            return
+        event = self._enqueue(pairs, to)
+        # The compute stream must see the copied bytes before any later kernel reads them,
+        # and the caching allocator must not hand these blocks to another stream early.
+        torch.cuda.current_stream(self.device).wait_event(event)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(event.synchronize, limiter=self._limiter)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def memory_allocated(self) -> int | None:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def make_device_layer(device: str | torch.device | None) -> DeviceLayer:
+    """The device layer for ``device`` (see :func:`resolve_device`)."""
+    dev = resolve_device(device)
+    return CudaDevice(dev) if dev.type == "cuda" else CpuDevice(dev)

@@ -1,0 +1,42 @@
+"""Refuse forwards on weights that are not on the device.
+
+A forward on released weights can segfault or silently return garbage, so every submodule
+that owns tensors gets a forward pre-hook that asks one ``check`` callable (supplied by the
+controller) before running. Submodules are hooked, not just the root, because users call
+blocks directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["ComputeGuard"]
+
+
+class ComputeGuard:
+    """Forward pre-hooks on ``module`` and its tensor-owning submodules calling ``check``;
+    ``on_training_forward(submodule)`` is told of forwards in training mode."""
+
+    def __init__(self, module: nn.Module, check: Callable[[], None],
+                 on_training_forward: Callable[[nn.Module], None] | None = None) -> None:
+        self.check = check
+        self.on_training_forward = on_training_forward
+        self._handles: list[RemovableHandle] = []
+        for sub in module.modules():
+            if next(sub.parameters(recurse=False), None) is not None or \
+                    next(sub.buffers(recurse=False), None) is not None or sub is module:
+                self._handles.append(sub.register_forward_pre_hook(self._hook))
+
+    def _hook(self, module: nn.Module, args: Any) -> None:
+        self.check()
+        if module.training and self.on_training_forward is not None:
+            self.on_training_forward(module)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

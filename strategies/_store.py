@@ -1,0 +1,385 @@
+"""The tensors of one component and where their bytes live.
+
+A :class:`TensorStore` takes inventory of a module once: every parameter and buffer
+(persistent or not), each tensor object once (tied weights), grouped by the storage they
+share (views), grouped again into *units* that move together. A unit is one storage for the
+resident and offload strategies (each tensor keeps a storage of its own, as usual in torch)
+or one whole layer for layerwise offload (one flat buffer, so one copy moves a layer).
+
+Every unit has a host mirror, allocated the first time it is needed and reused for the life
+of the store (pinned on CUDA). Tensor objects never change identity: placement is changed by
+re-pointing ``tensor.data`` at a view of a device buffer or of the host mirror. A version per
+tensor (``Tensor._version``) says whether the mirror still matches the device bytes, so a
+release of unchanged weights copies nothing.
+
+Moves are two-phase so that a transition over many components is all-or-nothing:
+``prepare_*`` allocates and copies without touching any tensor (it can fail or be cancelled
+and leaves no trace after ``rollback``), ``commit`` only re-points tensors (cannot fail).
+
+Known limit: writes through ``param.data`` (``p.data.copy_(...)``) bypass torch's version
+counter; call :meth:`TensorStore.mark_dirty` after such writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ._device import CopyPair, DeviceLayer, Tier
+
+__all__ = ["ALIGN", "Move", "StoreError", "StoreReport", "TensorStore", "Unit"]
+
+ALIGN = 64  # byte alignment of every storage inside a unit buffer (keeps dtype views legal)
+
+
+class StoreError(ValueError):
+    """A module's tensors cannot be managed (meta, sparse, on a foreign device, drifted)."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One tensor object (a Parameter or a buffer), however many names it has."""
+
+    tensor: torch.Tensor
+    names: list[str]
+    byte_offset: int  # of the tensor's first element inside its storage
+    host_view: torch.Tensor | None = None  # view into the unit's mirror, made once
+    version: int = -1  # tensor._version when the mirror last matched / last re-pointed
+    ptr: int = 0  # tensor.data_ptr() when last re-pointed
+
+    def view_of(self, buf: torch.Tensor, byte_offset: int) -> torch.Tensor:
+        """A tensor with this slot's dtype, shape and strides over ``buf`` at ``byte_offset``."""
+        t = self.tensor
+        itemsize = t.element_size()
+        start = buf.storage_offset() + byte_offset + self.byte_offset
+        return torch.empty(0, dtype=t.dtype, device=buf.device).set_(
+            buf.untyped_storage(), start // itemsize, t.shape, t.stride())
+
+    def record(self) -> None:
+        self.version = self.tensor._version
+        self.ptr = self.tensor.data_ptr()
+
+
+@dataclass(eq=False)
+class _Storage:
+    """One untyped storage and the tensor objects that view it."""
+
+    nbytes: int
+    slots: list[_Slot]
+    offset: int = 0  # inside the unit's buffers
+
+    def source_bytes(self) -> torch.Tensor:
+        """The storage's live bytes, wherever they are, as a 1-D uint8 tensor."""
+        t = self.slots[0].tensor
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+@dataclass(eq=False)
+class Unit:
+    """Storages that move together: one host region, one device buffer."""
+
+    key: str
+    storages: list[_Storage]
+    nbytes: int = 0
+    where: Tier = "device"
+    host: torch.Tensor | None = None
+    device_buf: torch.Tensor | None = None  # our own device buffer (None: adopted storages)
+    mirror_current: bool = False
+
+    def slots(self) -> Iterator[_Slot]:
+        for s in self.storages:
+            yield from s.slots
+
+    def dirty(self) -> bool:
+        """Whether the mirror may differ from the device bytes."""
+        if not self.mirror_current:
+            return True
+        return any(s.tensor._version != s.version for s in self.slots())
+
+    def drifted(self) -> list[str]:
+        """Names of tensors re-pointed behind the store's back (``p.data = other``)."""
+        return [s.names[0] for s in self.slots() if s.tensor.data_ptr() != s.ptr]
+
+
+@dataclass(frozen=True)
+class StoreReport:
+    """Where a store's bytes are right now."""
+
+    device_bytes: int
+    host_bytes: int
+    pinned_bytes: int
+
+
+@dataclass(eq=False)
+class Move:
+    """A prepared move: bytes copied, nothing re-pointed yet. ``commit`` or ``rollback``."""
+
+    store: TensorStore
+    to: Tier
+    units: list[Unit]
+    buffers: list[torch.Tensor | None] = field(default_factory=list)
+    new_mirrors: list[Unit] = field(default_factory=list)
+    bytes_copied: int = 0
+
+    def commit(self) -> None:
+        """Re-point every tensor of the moved units. Never fails, never awaits."""
+        if self.to == "device":
+            for unit, buf in zip(self.units, self.buffers, strict=True):
+                assert buf is not None
+                for st in unit.storages:
+                    for slot in st.slots:
+                        slot.tensor.data = slot.view_of(buf, st.offset)
+                unit.device_buf = buf
+                unit.where = "device"
+        else:
+            for unit in self.units:
+                for slot in unit.slots():
+                    assert slot.host_view is not None
+                    slot.tensor.data = slot.host_view
+                unit.device_buf = None
+                unit.where = "host"
+                unit.mirror_current = True
+        for unit in self.units:
+            for slot in unit.slots():
+                slot.record()
+        self.buffers.clear()
+
+    def rollback(self) -> None:
+        """Forget the prepared buffers; mirrors allocated for this move are freed too."""
+        self.buffers.clear()
+        for unit in self.new_mirrors:
+            self.store.drop_mirror(unit)
+
+
+class TensorStore:
+    """The inventory and placement of one component's tensors.
+
+    ``layers``: dotted prefixes (``"blocks.3"``) whose tensors form one unit each; every other
+    storage is a unit of its own.
+    """
+
+    def __init__(self, name: str, module: nn.Module, layer: DeviceLayer,
+                 layers: Sequence[str] = ()) -> None:
+        self.name = name
+        self.module = module
+        self.layer = layer
+        self.layer_keys = tuple(layers)
+        self.units: list[Unit] = []
+        self.by_key: dict[str, Unit] = {}
+        self._signature: list[tuple[str, int]] = []
+        self._inventory()
+
+    # -- inventory -----------------------------------------------------------------
+    def _named_tensors(self) -> list[tuple[str, torch.Tensor, nn.Module | None]]:
+        """(name, tensor, owning module if it is a buffer) for every registration."""
+        named: list[tuple[str, torch.Tensor, nn.Module | None]] = [
+            (n, p, None) for n, p in self.module.named_parameters(remove_duplicate=False)]
+        for prefix, sub in self.module.named_modules(remove_duplicate=False):
+            named += [(f"{prefix}.{n}" if prefix else n, b, sub)
+                      for n, b in sub._buffers.items() if b is not None]
+        return named
+
+    def _inventory(self) -> None:
+        named = self._named_tensors()
+        self._buffers_of: dict[int, list[_Slot]] = {}
+        self._signature = [(n, id(t)) for n, t, _ in named]
+        slots: dict[int, _Slot] = {}
+        for n, t, owner in named:
+            self._check_tensor(n, t)
+            if id(t) not in slots:
+                slots[id(t)] = _Slot(t, [], int(t.storage_offset()) * t.element_size())
+            slots[id(t)].names.append(n)
+            if owner is not None:
+                self._buffers_of.setdefault(id(owner), []).append(slots[id(t)])
+        storages: dict[tuple[str, int], _Storage] = {}
+        for slot in slots.values():
+            st = slot.tensor.untyped_storage()
+            key = (str(slot.tensor.device), st.data_ptr())
+            if key not in storages:
+                storages[key] = _Storage(st.nbytes(), [])
+            storages[key].slots.append(slot)
+        grouped: dict[str, list[_Storage]] = {}
+        for st_ in storages.values():
+            grouped.setdefault(self._unit_key(st_), []).append(st_)
+        self.units = []
+        for layer_key, group in grouped.items():
+            if layer_key:
+                self.units.append(self._make_unit(layer_key, group))
+            else:
+                self.units += [self._make_unit(st_.slots[0].names[0], [st_]) for st_ in group]
+        self.by_key = {u.key: u for u in self.units}
+        for u in self.units:
+            on_device = all(s.tensor.device == self.layer.device for s in u.slots())
+            u.where = "device" if on_device else "host"
+            for slot in u.slots():
+                slot.record()
+
+    def _check_tensor(self, name: str, t: torch.Tensor) -> None:
+        where = f"tensor {name!r} of component {self.name!r}"
+        if t.is_meta:
+            raise StoreError(f"{where} is on the meta device (no data); load real weights "
+                             "before attaching")
+        if t.layout != torch.strided:
+            raise StoreError(f"{where} has layout {t.layout}; only dense (strided) tensors "
+                             "are supported")
+        if t.device.type != "cpu" and t.device != self.layer.device:
+            raise StoreError(f"{where} is on {t.device}; expected {self.layer.device} or cpu")
+
+    def _unit_key(self, st: _Storage) -> str:
+        """The layer a storage belongs to, or '' when it is not wholly inside one layer."""
+        keys = {self._layer_of(n) for s in st.slots for n in s.names}
+        return keys.pop() if len(keys) == 1 else ""
+
+    def _layer_of(self, name: str) -> str:
+        for key in self.layer_keys:
+            if name.startswith(key + "."):
+                return key
+        return ""
+
+    @staticmethod
+    def _make_unit(key: str, storages: list[_Storage]) -> Unit:
+        offset = end = 0
+        for st in storages:
+            st.offset = offset
+            end = offset + st.nbytes
+            offset = _align(end)
+        return Unit(key, storages, nbytes=end)
+
+    def structure_changed(self) -> bool:
+        """Whether tensors were added, removed or replaced in the module since inventory."""
+        return [(n, id(t)) for n, t, _ in self._named_tensors()] != self._signature
+
+    def rescan(self) -> None:
+        """Take inventory again (after the module's structure changed while on device)."""
+        if any(u.where == "host" for u in self.units):
+            raise StoreError(f"component {self.name!r} changed structure while offloaded")
+        self._inventory()
+
+    def note_training_forward(self, module: nn.Module) -> None:
+        """``module`` ran a forward in training mode: its buffers may have been written by
+        kernels that do not bump the version counter (batch-norm running statistics)."""
+        for slot in self._buffers_of.get(id(module), ()):
+            slot.version = -1
+
+    def drifted(self) -> list[str]:
+        return [n for u in self.units for n in u.drifted()]
+
+    def mark_dirty(self) -> None:
+        """Declare every mirror stale (after writes that bypass the version counter)."""
+        for u in self.units:
+            if u.where == "device":
+                u.mirror_current = False
+
+    # -- mirrors -------------------------------------------------------------------
+    def ensure_mirror(self, unit: Unit) -> bool:
+        """Allocate ``unit``'s host mirror if it has none; True when it was allocated now."""
+        if unit.host is not None:
+            return False
+        unit.host = self.layer.alloc(unit.nbytes, "host")
+        for st in unit.storages:
+            for slot in st.slots:
+                slot.host_view = slot.view_of(unit.host, st.offset)
+        unit.mirror_current = False
+        return True
+
+    def drop_mirror(self, unit: Unit) -> None:
+        if unit.where == "host":
+            raise AssertionError("cannot drop the mirror of a unit that lives on the host")
+        unit.host = None
+        unit.mirror_current = False
+        for slot in unit.slots():
+            slot.host_view = None
+
+    async def adopt(self) -> int:
+        """Copy units that are not wholly on the device (loaded on the host) into fresh
+        mirrors and re-point their tensors there, so that the store owns every host byte it
+        reads from. Returns the bytes copied."""
+        units = [u for u in self.units if u.where == "host" and u.host is None]
+        pairs: list[CopyPair] = []
+        for unit in units:
+            self.ensure_mirror(unit)
+            pairs += self._copy_out_pairs(unit)
+        await self.layer.copy(pairs, "host")
+        for unit in units:
+            for slot in unit.slots():
+                assert slot.host_view is not None
+                slot.tensor.data = slot.host_view
+                slot.record()
+            unit.mirror_current = True
+        return sum(u.nbytes for u in units)
+
+    # -- moves ---------------------------------------------------------------------
+    def select(self, where: Tier, keys: Iterable[str] | None = None,
+               pred: Callable[[Unit], bool] | None = None) -> list[Unit]:
+        """Units currently on ``where``, optionally only those in ``keys`` / matching ``pred``."""
+        units = self.units if keys is None else [self.by_key[k] for k in keys]
+        return [u for u in units if u.where == where and (pred is None or pred(u))]
+
+    async def prepare_to_device(self, units: Sequence[Unit]) -> Move:
+        """Allocate device buffers for ``units`` (on the host) and copy their mirrors in."""
+        move = Move(self, "device", list(units))
+        pairs: list[CopyPair] = []
+        try:
+            for unit in move.units:
+                assert unit.where == "host" and unit.host is not None
+                buf = self.layer.alloc(unit.nbytes, "device")
+                move.buffers.append(buf)
+                pairs.append((buf, unit.host))
+            await self.layer.copy(pairs, "device")
+        except BaseException:
+            move.rollback()
+            raise
+        move.bytes_copied = sum(u.nbytes for u in move.units)
+        return move
+
+    async def prepare_to_host(self, units: Sequence[Unit], copy_back: bool = True) -> Move:
+        """Bring ``units``' mirrors up to date (copying only dirty units, and only if
+        ``copy_back``); the device bytes are released at commit."""
+        move = Move(self, "host", list(units))
+        pairs: list[CopyPair] = []
+        try:
+            for unit in move.units:
+                assert unit.where == "device"
+                if self.ensure_mirror(unit):
+                    move.new_mirrors.append(unit)
+                if copy_back and unit.dirty():
+                    pairs += self._copy_out_pairs(unit)
+                    move.bytes_copied += unit.nbytes
+                elif not copy_back and not unit.mirror_current:
+                    raise StoreError(f"unit {unit.key!r} of component {self.name!r} has no "
+                                     "current host copy to fall back to")
+            await self.layer.copy(pairs, "host")
+        except BaseException:
+            move.rollback()
+            raise
+        return move
+
+    @staticmethod
+    def _copy_out_pairs(unit: Unit) -> list[CopyPair]:
+        assert unit.host is not None
+        if unit.device_buf is not None:
+            return [(unit.host, unit.device_buf)]
+        return [(unit.host[st.offset:st.offset + st.nbytes], st.source_bytes())
+                for st in unit.storages]
+
+    # -- introspection -------------------------------------------------------------
+    def report(self) -> StoreReport:
+        device = sum(u.nbytes for u in self.units if u.where == "device")
+        host = sum(u.nbytes for u in self.units if u.host is not None)
+        return StoreReport(device, host, host if self.layer.pinned else 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor once, under its first name, sorted by name."""
+        return sorted(((s.names[0], s.tensor) for u in self.units for s in u.slots()),
+                      key=lambda nt: nt[0])

@@ -1,0 +1,191 @@
+"""Transactions: injected faults at every copy and allocation, cancellation, concurrency."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+
+import anyio
+import pytest
+import torch
+from structlog.contextvars import merge_contextvars
+from structlog.testing import capture_logs
+
+from lifecycle import LifecycleController, OccupationResult, Phase, TransitionFailed
+from lifecycle.testing import FaultyDevice, InjectedFault
+from tests.helpers import fingerprints, run_pipeline, small_pipeline
+
+pytestmark = pytest.mark.anyio
+
+Step = Callable[[LifecycleController], Awaitable[object]]
+
+
+async def sleep_(ctl: LifecycleController) -> object:
+    return await ctl.sleep()
+
+
+async def wake_(ctl: LifecycleController) -> object:
+    return await ctl.wake()
+
+
+# name -> (steps that lead to the starting point, the transition under test, its goal)
+SCENARIOS: dict[str, tuple[list[Step], Step, Phase]] = {
+    "first sleep (fills mirrors)": ([], sleep_, Phase.SLEEPING),
+    "wake": ([sleep_], wake_, Phase.AWAKE),
+    "dirty sleep": ([sleep_, wake_], sleep_, Phase.SLEEPING),
+}
+
+
+async def start(steps: list[Step], layer: FaultyDevice) -> tuple[LifecycleController, dict]:
+    pipe = small_pipeline()
+    ctl = LifecycleController(device_layer=layer)
+    await ctl.attach(pipe)
+    for step in steps:
+        await step(ctl)
+    if steps and steps[-1] is wake_:
+        with torch.no_grad():  # make every weight dirty without changing it
+            for m in pipe.values():
+                for p in m.parameters():
+                    p.mul_(1)
+    return ctl, pipe
+
+
+async def count_ops(steps: list[Step], target: Step) -> tuple[int, int]:
+    probe = FaultyDevice()
+    ctl, _ = await start(steps, probe)
+    copies, allocs = probe.copies, probe.allocations
+    await target(ctl)
+    return probe.copies - copies, probe.allocations - allocs
+
+
+# A dirty sleep reuses the mirrors: it allocates nothing, so only its copies can fail.
+FAULT_POINTS = [(s, k) for s in SCENARIOS for k in ("copy", "alloc")
+                if (s, k) != ("dirty sleep", "alloc")]
+
+
+@pytest.mark.parametrize(("scenario", "kind"), FAULT_POINTS)
+async def test_fault_at_every_point_rolls_back_exactly_and_retry_succeeds(
+        scenario: str, kind: str) -> None:
+    """For every k, failing the k-th copy (or allocation) leaves phase, placement and bytes
+    exactly as before, chains the cause, and a retry reaches the goal with intact weights."""
+    steps, target, goal = SCENARIOS[scenario]
+    copies, allocs = await count_ops(steps, target)
+    points = copies if kind == "copy" else allocs
+    assert points > 3
+    for k in range(1, points + 1):
+        layer = FaultyDevice()
+        ctl, pipe = await start(steps, layer)
+        before_phase, before_report, before_sums = ctl.phase, ctl.report(), fingerprints(pipe)
+        if kind == "copy":
+            layer.arm(copy_at=k)
+        else:
+            layer.arm(alloc_at=k)
+        with pytest.raises(TransitionFailed) as info:
+            await target(ctl)
+        assert isinstance(info.value.cause, InjectedFault)
+        assert info.value.__cause__ is info.value.cause
+        assert layer.faults == 1
+        assert (ctl.phase, ctl.report()) == (before_phase, before_report)
+        if ctl.phase is Phase.AWAKE:
+            assert fingerprints(pipe) == before_sums
+            run_pipeline(pipe)
+        result = await target(ctl)
+        assert isinstance(result, OccupationResult)
+        assert result.success and ctl.phase is goal
+        await ctl.wake()
+        assert fingerprints(pipe) == before_sums
+
+
+async def test_failed_transition_logs_a_rolled_back_event() -> None:
+    """A rollback is visible as one structured event with the cause."""
+    layer = FaultyDevice()
+    ctl, _ = await start([], layer)
+    layer.arm(copy_at=2)
+    with capture_logs(processors=[merge_contextvars]) as logs, pytest.raises(TransitionFailed):
+        await ctl.sleep()
+    events = [e for e in logs if e["event"] == "transition.rolled_back"]
+    assert len(events) == 1
+    assert events[0]["trigger"] == "sleep"
+    assert events[0]["transition"] == "sleep"
+    assert events[0]["error"].startswith("InjectedFault: injected copy failure")
+
+
+async def test_committed_transition_logs_one_summary_event() -> None:
+    """Each committed transition emits one summary with trigger, phases, bytes, seconds, rank."""
+    ctl = LifecycleController("cpu", rank=3)
+    await ctl.attach(small_pipeline())
+    with capture_logs(processors=[merge_contextvars]) as logs:
+        await ctl.sleep()
+    summaries = [e for e in logs if e["event"] == "transition.committed"]
+    assert len(summaries) == 1
+    s = summaries[0]
+    assert (s["trigger"], s["source"], s["dest"], s["outcome"], s["rank"]) == (
+        "sleep", "awake", "sleeping", "committed", 3)
+    assert s["bytes"] > 0 and s["released"] > 0 and s["seconds"] >= 0 and "gbps" in s
+    moves = [e for e in logs if e["event"] == "move.prepared"]
+    assert {e["component"] for e in moves} == {"text_encoder", "transformer", "vae"}
+    assert all(e["transition_id"] == s["transition_id"] for e in moves)
+
+
+@pytest.mark.parametrize("target", ["sleep", "wake"])
+async def test_cancellation_at_any_moment_leaves_a_true_phase(target: str) -> None:
+    """Cancelled after t ms, a transition has either committed or rolled back: the phase
+    matches the placement, the bytes are intact, and a retry succeeds."""
+    for delay_ms in (0, 1, 3, 7, 15, 40):
+        layer = FaultyDevice(copy_delay=0.001)
+        ctl, pipe = await start([sleep_, wake_] if target == "sleep" else [sleep_], layer)
+        sums = fingerprints(pipe)
+        with anyio.move_on_after(delay_ms / 1000):
+            await (ctl.sleep() if target == "sleep" else ctl.wake())
+        report = ctl.report()
+        if ctl.phase is Phase.SLEEPING:
+            assert report.device_bytes == 0
+        else:
+            assert ctl.phase is Phase.AWAKE
+            assert report.device_bytes == sum(c.total_bytes for c in report.components.values())
+        assert ctl.transition is None
+        await ctl.sleep()
+        await ctl.wake()
+        assert fingerprints(pipe) == sums
+
+
+class OverlapDetector(FaultyDevice):
+    """Fails the test if two copy batches ever run at the same time."""
+
+    active = 0
+    max_active = 0
+
+    async def copy(self, pairs, to):  # type: ignore[no-untyped-def]
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await super().copy(pairs, to)
+            await anyio.sleep(0)
+        finally:
+            self.active -= 1
+
+
+async def test_concurrent_callers_are_serialised_and_all_answered() -> None:
+    """40 tasks calling sleep/wake at random never interleave and each gets a result."""
+    layer = OverlapDetector(copy_delay=0.0002)
+    pipe = small_pipeline()
+    sums = fingerprints(pipe)
+    ctl = LifecycleController(device_layer=layer)
+    await ctl.attach(pipe)
+    rng = random.Random(7)
+    results: list[OccupationResult] = []
+
+    async def caller() -> None:
+        for _ in range(5):
+            await anyio.sleep(rng.random() / 1000)
+            results.append(await (ctl.sleep() if rng.random() < 0.5 else ctl.wake()))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(40):
+            tg.start_soon(caller)
+    assert len(results) == 200
+    assert all(r.success for r in results)
+    assert layer.max_active == 1
+    assert ctl.phase is results[-1].phase
+    await ctl.wake()
+    assert fingerprints(pipe) == sums
