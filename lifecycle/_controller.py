@@ -9,16 +9,19 @@ trigger on the ``transitions`` machine; log one summary event.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
+import anyio.abc
 import structlog
 import torch
 from torch import nn
@@ -28,13 +31,18 @@ from strategies import (
     DeviceLayer,
     Move,
     ResidencyConfig,
+    ResidencyMode,
     ResidencyStrategy,
     build_strategy,
+    enable_layerwise_offload,
     is_fsdp_managed,
+    is_layerwise_offloaded,
     make_device_layer,
 )
 from strategies._guard import ComputeGuard
+from strategies._layerwise import disable_layerwise_offload
 
+from ._admission import Admission
 from ._errors import (
     ComponentAsleep,
     ComponentNotPlaced,
@@ -44,7 +52,7 @@ from ._errors import (
     WeightUpdateWhileSleeping,
 )
 from ._events import get_logger
-from ._phase import REFUSALS, TRANSITIONS, Phase, Refusal
+from ._phase import NOT_INITIALIZED, REFUSALS, TRANSITIONS, Phase, Refusal
 from ._pipeline import components_of
 from ._results import ComponentPlacement, OccupationResult, PlacementReport
 
@@ -52,7 +60,17 @@ __all__ = ["LifecycleController"]
 
 _log = get_logger("lifecycle")
 _ids = itertools.count(1)
-_T = TypeVar("_T")
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    """A component's use-placement prepared ahead of its ``use()`` within a request."""
+
+    lease: int
+    scope: anyio.CancelScope | None = None
+    started: bool = False  # prepare_use was called: dropping it needs finish_use
+    ready: bool = False  # prepared successfully: use() commits ``move``
+    move: Move | None = None
 
 
 @dataclass(eq=False)
@@ -61,6 +79,21 @@ class _Component:
     module: nn.Module
     strategy: ResidencyStrategy
     guard: ComputeGuard | None = None
+    users: int = 0
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    prefetch: _Prefetch | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    order: tuple[str, ...]
+    tg: anyio.abc.TaskGroup
+    position: int = -1
+    started: set[str] = field(default_factory=set)
+
+
+_request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
+    "residency_request", default=None)
 
 
 class _PhaseModel:
@@ -92,11 +125,16 @@ class LifecycleController:
     def __init__(self, device: str | torch.device | None = None, *,
                  use_fsdp_inference: bool = False, rank: int = 0,
                  residency: ResidencyConfig | str | Mapping[str, str] | list[str] | None = None,
+                 drain_timeout: float | None = 30.0, admission_timeout: float | None = None,
+                 auto_wake: bool = False, prefetch_components: bool = True,
                  device_layer: DeviceLayer | None = None) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
         self.use_fsdp_inference = use_fsdp_inference
         self.rank = rank
         self.config = ResidencyConfig.parse(residency)
+        self.auto_wake = auto_wake
+        self.prefetch_components = prefetch_components
+        self._admission = Admission(drain_timeout, admission_timeout)
         self._fsm_model = _PhaseModel()
         self._fsm = _build_machine(self._fsm_model)
         self._lock = anyio.Lock()
@@ -118,8 +156,13 @@ class LifecycleController:
 
     @property
     def transition(self) -> str | None:
-        """The trigger in progress, if any."""
-        return self._transition
+        """The trigger in progress (gate closed or moving), if any."""
+        return self._transition or self._admission.closed_by
+
+    @property
+    def in_flight(self) -> int:
+        """Live leases: uses in progress and request-level prefetches."""
+        return self._admission.in_flight
 
     @property
     def components(self) -> Mapping[str, nn.Module]:
@@ -211,9 +254,7 @@ class LifecycleController:
             self._refusal("attach")
             found = components_of(pipeline)
             self.config.validate_components(found)
-            components = {name: _Component(name, module,
-                                           build_strategy(name, module, self.config, self._layer))
-                          for name, module in found.items()}
+            components = self._build(found)
             with structlog.contextvars.bound_contextvars(transition="attach",
                                                          transition_id=next(_ids)):
                 t0 = time.perf_counter()
@@ -229,6 +270,25 @@ class LifecycleController:
                 self._commit_phase("attach")
                 self._summary("attach", Phase.UNINITIALIZED, copied, time.perf_counter() - t0)
             return self.phase
+
+    def _build(self, found: dict[str, nn.Module]) -> dict[str, _Component]:
+        """Strategies for every component, enabling layerwise offload where it is configured
+        and possible; on any refusal nothing is left changed."""
+        enabled: list[nn.Module] = []
+        try:
+            for name, module in found.items():
+                if self.config.mode_for(name) is ResidencyMode.LAYERWISE_OFFLOAD \
+                        and not is_layerwise_offloaded(module):
+                    with contextlib.suppress(ValueError):  # build_strategy says why not
+                        enable_layerwise_offload(module)
+                        enabled.append(module)
+            return {name: _Component(name, module,
+                                     build_strategy(name, module, self.config, self._layer))
+                    for name, module in found.items()}
+        except BaseException:
+            for module in enabled:
+                disable_layerwise_offload(module)
+            raise
 
     async def _place(self, components: dict[str, _Component]) -> int:
         """Move every component to its awake placement (adopting host-loaded tensors)."""
@@ -260,7 +320,8 @@ class LifecycleController:
                     store = c.strategy.store
                     moves.append(await store.prepare_to_host(store.select("device")))
 
-            copied = await self._transact("detach", prepare)
+            async with self._gate("detach"):
+                copied = await self._transact("detach", prepare)
             for c in self._components.values():
                 if c.guard:
                     c.guard.remove()
@@ -301,7 +362,16 @@ class LifecycleController:
                                         message, self.phase)
             with structlog.contextvars.bound_contextvars(transition=trigger,
                                                          transition_id=next(_ids)):
-                return await self._move_all(trigger)
+                async with self._gate(trigger):
+                    return await self._move_all(trigger)
+
+    @asynccontextmanager
+    async def _gate(self, trigger: str) -> AsyncIterator[None]:
+        """Close admission, drop unused prefetches, drain leases; reopen afterwards."""
+        async with self._admission.closed(trigger, lambda: self.phase, self._stop_prefetches):
+            for c in self._components.values():
+                c.strategy.quiesce()
+            yield
 
     async def _move_all(self, trigger: str) -> OccupationResult:
         source = self.phase
@@ -359,11 +429,153 @@ class LifecycleController:
                   bytes=copied, released=released,
                   gbps=round(copied / seconds / 1e9, 3) if seconds > 0 else 0.0, rank=self.rank)
 
-    # -- uses --------------------------------------------------------------------------
+    # -- uses ------------------------------------------------------------------------
     @asynccontextmanager
-    async def use(self, name: str) -> Any:
-        """Place component ``name`` for use per its strategy for the body of the block."""
+    async def use(self, name: str) -> AsyncIterator[nn.Module]:
+        """Hold a lease on component ``name`` and place it for use per its strategy.
+
+        Waits while a transition is in progress (at most ``admission_timeout``); while the
+        pipeline sleeps raises :class:`ComponentAsleep`, or wakes it first with
+        ``auto_wake=True``. The lease is returned on every exit path."""
+        await self._admit(name)
         c = self._component(name)
-        if self.phase is Phase.SLEEPING:
-            raise ComponentAsleep(name)
-        yield c.module
+        lease = self._admission.take(name)
+        try:
+            await self._acquire(c)
+            try:
+                self._prefetch_next(name)
+                yield c.module
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._release(c)
+        finally:
+            self._admission.give(lease)
+
+    async def _admit(self, name: str) -> None:
+        while True:
+            await self._admission.wait_open(name)
+            if self.phase is Phase.SLEEPING:
+                if not self.auto_wake:
+                    raise ComponentAsleep(name)
+                await self.wake()
+                continue
+            if self.phase is Phase.UNINITIALIZED:
+                raise TransitionRejected("use", self.phase, NOT_INITIALIZED)
+            if self._admission.closed_by is None:
+                return
+
+    async def _acquire(self, c: _Component) -> None:
+        async with c.lock:
+            c.users += 1
+            if c.users > 1:
+                return
+            try:
+                pf = c.prefetch
+                if pf is not None and pf.ready:
+                    c.prefetch = None
+                    self._admission.give(pf.lease)
+                    move = pf.move
+                else:
+                    move = await c.strategy.prepare_use()
+                if move is not None:
+                    move.commit()
+            except BaseException as exc:
+                c.users -= 1
+                with anyio.CancelScope(shield=True):
+                    await c.strategy.finish_use()
+                if isinstance(exc, Exception):
+                    raise TransitionFailed("use", self.phase, exc) from exc
+                raise
+
+    async def _release(self, c: _Component) -> None:
+        async with c.lock:
+            c.users -= 1
+            if c.users:
+                return
+            try:
+                await c.strategy.finish_use()
+            except Exception as exc:
+                # The component stays where it is (consistent, mirror not current); the
+                # next sleep copies it. Reported, not raised over the user's own result.
+                _log.warning("use.release_failed", component=c.name,
+                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+
+    @asynccontextmanager
+    async def request(self, order: Sequence[str]) -> AsyncIterator[None]:
+        """Declare this request's use order so the next component's move-in starts while
+        the current one runs (``prefetch_components``; on CUDA only when memory allows)."""
+        unknown = [n for n in order if n not in self._components]
+        if unknown:
+            raise KeyError(f"request names unknown components {unknown}; "
+                           f"components: {sorted(self._components)}")
+        async with anyio.create_task_group() as tg:
+            req = _Request(tuple(order), tg)
+            token = _request.set(req)
+            try:
+                yield
+            finally:
+                _request.reset(token)
+                with anyio.CancelScope(shield=True):
+                    for name in req.started:
+                        await self._drop_prefetch(self._components[name])
+
+    def _prefetch_next(self, name: str) -> None:
+        req = _request.get()
+        if req is None or not self.prefetch_components:
+            return
+        try:
+            req.position = req.order.index(name, req.position + 1)
+        except ValueError:
+            return
+        if req.position + 1 >= len(req.order):
+            return
+        nxt = self._components[req.order[req.position + 1]]
+        if nxt.users or nxt.prefetch is not None or nxt is self._components[name]:
+            return
+        need = nxt.strategy.store.report()
+        free = self._layer.free_bytes()
+        if free is not None and free < nxt.strategy.store.nbytes - need.device_bytes:
+            return
+        nxt.prefetch = _Prefetch(self._admission.take(f"{nxt.name} (prefetch)"))
+        req.started.add(nxt.name)
+        req.tg.start_soon(self._run_prefetch, nxt, nxt.prefetch)
+
+    async def _run_prefetch(self, c: _Component, pf: _Prefetch) -> None:
+        with anyio.CancelScope() as pf.scope:
+            try:
+                async with c.lock:
+                    if c.users == 0 and c.prefetch is pf and self.phase is Phase.AWAKE \
+                            and self._admission.closed_by is None:
+                        pf.started = True
+                        pf.move = await c.strategy.prepare_use()
+                        pf.ready = True
+                        return
+            except Exception as exc:
+                _log.warning("prefetch.failed", component=c.name,
+                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+        with anyio.CancelScope(shield=True):
+            await self._drop_prefetch(c, pf)
+
+    async def _drop_prefetch(self, c: _Component, pf: _Prefetch | None = None) -> None:
+        """Undo a prefetch that will not be used and return its lease."""
+        pf = pf or c.prefetch
+        if pf is None or c.prefetch is not pf:
+            return
+        c.prefetch = None
+        if pf.move is not None:
+            pf.move.rollback()
+        if pf.started and c.users == 0:
+            await c.strategy.finish_use()
+        self._admission.give(pf.lease)
+
+    async def _stop_prefetches(self) -> None:
+        """Before a drain: drop prepared prefetches, cancel those still copying (their
+        tasks drop them and return the leases)."""
+        for c in self._components.values():
+            pf = c.prefetch
+            if pf is None:
+                continue
+            if pf.ready:
+                await self._drop_prefetch(c)
+            elif pf.scope is not None:
+                pf.scope.cancel()

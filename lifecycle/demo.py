@@ -118,7 +118,8 @@ class TextBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 class TextEncoder(nn.Module):
@@ -129,7 +130,9 @@ class TextEncoder(nn.Module):
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, dim)
+        # An explicit weight skips Embedding's normal_ init (slow to set up on ``meta``);
+        # DemoPipeline.build fills every weight anyway.
+        self.embed = nn.Embedding(VOCAB, dim, _weight=torch.empty(VOCAB, dim))
         self.blocks = nn.ModuleList(TextBlock(dim, heads) for _ in range(TEXT_LAYERS))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
@@ -187,7 +190,9 @@ class DiTBlock(nn.Module):
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(c)).chunk(6, dim=-1)
         x = x + gate1.unsqueeze(1) * self.attn(_modulate(self.norm1(x), shift1, scale1))
-        return x + gate2.unsqueeze(1) * self.mlp(_modulate(self.norm2(x), shift2, scale2))
+        out: torch.Tensor = x + gate2.unsqueeze(1) * self.mlp(
+            _modulate(self.norm2(x), shift2, scale2))
+        return out
 
 
 class DiT(nn.Module):
@@ -230,7 +235,7 @@ class DiT(nn.Module):
         for block in self.blocks:
             x = block(x, c)
         shift, scale = self.final_ada(F.silu(c)).chunk(2, dim=-1)
-        out = self.out_proj(_modulate(self.final_norm(x), shift, scale))
+        out: torch.Tensor = self.out_proj(_modulate(self.final_norm(x), shift, scale))
         return out.reshape(b, g, p, ch, PATCH, PATCH).permute(0, 3, 1, 4, 2, 5).reshape(
             b, ch, hgt, wid)
 
@@ -302,6 +307,10 @@ def _nbytes(modules: dict[str, nn.Module]) -> int:
     return sum(t.nbytes for _, t in _unique_tensors(modules))
 
 
+def _make(config: DemoConfig, dtype: torch.dtype) -> dict[str, nn.Module]:
+    return {name: module.to(dtype) for name, module in config.make().items()}
+
+
 def _choose(size_bytes: int, dtype: torch.dtype, num_layers: int | None) -> DemoConfig:
     """Widths and depth whose weights come closest to ``size_bytes`` (counted on ``meta``)."""
     params = size_bytes / dtype.itemsize
@@ -314,16 +323,16 @@ def _choose(size_bytes: int, dtype: torch.dtype, num_layers: int | None) -> Demo
         depths = sorted({min(28, max(2, base + k)) for k in (-1, 0, 1)})
     best: tuple[float, DemoConfig] | None = None
     with torch.device("meta"):
-        fixed = _nbytes(DemoConfig(text_dim, 16, 0, vae_channels).make())
+        fixed = _nbytes({"text_encoder": TextEncoder(text_dim, 1).to(dtype),
+                         "vae": VAEDecoder(vae_channels).to(dtype)})
+        rest = max(size_bytes - fixed, 0) / dtype.itemsize
         for layers in depths:
-            empty = _nbytes({"t": DiT(16, 1, 0, text_dim)})
-            rest = (size_bytes - fixed + empty) / dtype.itemsize
+            # (18 L + 3) d^2 + (15 L + 310 + text_dim) d parameters; rounded, then counted
             a, b = 18 * layers + 3, 15 * layers + 310 + text_dim
-            dim = (-b + math.sqrt(b * b + 4 * a * max(rest, 0.0))) / (2 * a)
+            dim = (-b + math.sqrt(b * b + 4 * a * rest)) / (2 * a)
             for width in _widths(dim):
                 cfg = DemoConfig(text_dim, width, layers, vae_channels)
-                mods = {k: v.to(dtype) for k, v in cfg.make().items()}
-                err = abs(_nbytes(mods) - size_bytes)
+                err = abs(_nbytes(_make(cfg, dtype)) - size_bytes)
                 if best is None or err < best[0]:
                     best = (err, cfg)
     assert best is not None
@@ -337,7 +346,7 @@ def _fill(modules: dict[str, nn.Module], seed: int) -> None:
     modulations), norm weights one, biases small."""
     g = torch.Generator().manual_seed(seed)
     pool = torch.randn(_POOL, generator=g)
-    for name, p in _unique_tensors({k: m for k, m in modules.items()}):
+    for name, p in _unique_tensors(modules):
         if not isinstance(p, nn.Parameter):
             continue
         if p.dim() == 1 and name.endswith("weight"):
@@ -385,7 +394,7 @@ class DemoPipeline:
             raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
         config = _choose(size_bytes, dtype, num_layers)
         with torch.device("meta"):
-            modules = {k: m.to(dtype) for k, m in config.make().items()}
+            modules = _make(config, dtype)
         with torch.no_grad():
             for module in modules.values():
                 module.to_empty(device="cpu")

@@ -20,32 +20,46 @@ from ._device import (
 )
 from ._factory import ComponentResidencyError, build_strategy, is_fsdp_managed
 from ._guard import ComputeGuard
+from ._layerwise import (
+    LayerwiseOffloadStrategy,
+    enable_layerwise_offload,
+    is_layerwise_offloaded,
+    layerwise_blocks,
+)
+from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._resident import ResidentStrategy
-from ._store import Move, StoreError, StoreReport, TensorStore, Unit
+from ._store import Fetch, Move, StoreError, StoreReport, TensorStore, Unit
 
 __all__ = [
     "DIT_GROUP",
     "RESIDENCY_POLICIES",
     "VAE_GROUP",
+    "ComponentOffloadStrategy",
     "ComponentResidencyError",
     "ComputeGuard",
     "CopyHandle",
     "CpuDevice",
     "CudaDevice",
     "DeviceLayer",
+    "Fetch",
+    "LayerwiseOffloadStrategy",
     "LayerwiseTuning",
     "Move",
     "ResidencyConfig",
     "ResidencyMode",
     "ResidencyStrategy",
     "ResidentStrategy",
+    "SnapshotOffloadStrategy",
     "StoreError",
     "StoreReport",
     "TensorStore",
     "Unit",
     "build_strategy",
+    "enable_layerwise_offload",
     "group_of",
     "is_fsdp_managed",
+    "is_layerwise_offloaded",
+    "layerwise_blocks",
     "make_device_layer",
     "resolve_device",
 ]

@@ -46,5 +46,8 @@ class ResidencyStrategy:
         """Undo what the use brought in; returns the bytes copied."""
         return 0
 
+    def quiesce(self) -> None:
+        """Land background copies in flight (before a transition moves the store)."""
+
     def close(self) -> None:
         """Remove hooks this strategy installed (on detach)."""

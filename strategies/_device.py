@@ -118,7 +118,9 @@ class DeviceLayer:
         with self._count_lock:
             self.allocations += 1
             self.host_allocations += tier == "host"
-        return self._alloc(nbytes, tier)
+        # Never an inference tensor, even when called from a hook under inference_mode.
+        with torch.inference_mode(False):
+            return self._alloc(nbytes, tier)
 
     def _alloc(self, nbytes: int, tier: Tier) -> torch.Tensor:
         if tier == "device":
@@ -149,6 +151,10 @@ class DeviceLayer:
 
     def memory_allocated(self) -> int | None:
         """Bytes of live device tensors as the allocator sees them; None where unknown."""
+        return None
+
+    def free_bytes(self) -> int | None:
+        """Device bytes free for new allocations (driver view); None where unbounded."""
         return None
 
     def synchronize(self) -> None:
@@ -229,6 +235,11 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
 
     def memory_allocated(self) -> int | None:
         return int(torch.cuda.memory_allocated(self.device))
+
+    def free_bytes(self) -> int | None:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free) + int(torch.cuda.memory_reserved(self.device)) - \
+            int(torch.cuda.memory_allocated(self.device))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

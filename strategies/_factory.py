@@ -6,7 +6,9 @@ from torch import nn
 
 from ._base import ResidencyStrategy
 from ._config import ResidencyConfig, ResidencyMode
-from ._device import DeviceLayer
+from ._device import CpuDevice, DeviceLayer
+from ._layerwise import LayerwiseOffloadStrategy, is_layerwise_offloaded, layer_keys
+from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._resident import ResidentStrategy
 from ._store import TensorStore
 
@@ -37,9 +39,12 @@ def build_strategy(name: str, module: nn.Module, config: ResidencyConfig,
     ``layerwise-offload`` on a module that did not enable it is an error; component- or
     snapshot-offload of an FSDP-managed module is an error; otherwise the configured mode.
     """
-    from ._device import CpuDevice
-
     mode = config.mode_for(name)
+    store_layer = layer or CpuDevice()
+    if is_layerwise_offloaded(module):
+        layers = layer_keys(module)
+        store = TensorStore(name, module, store_layer, [k for k, _ in layers])
+        return LayerwiseOffloadStrategy(name, store, config.layerwise_tuning_for(name), layers)
     if mode is ResidencyMode.LAYERWISE_OFFLOAD:
         raise ComponentResidencyError(
             f"Component {name!r} resolved to layerwise-offload, but its loaded module did not "
@@ -49,5 +54,12 @@ def build_strategy(name: str, module: nn.Module, config: ResidencyConfig,
         raise ComponentResidencyError(
             f"Component {name!r} resolved to {mode.value}, but it was loaded as an "
             "FSDP-managed module")
-    store = TensorStore(name, module, layer or CpuDevice())
-    return ResidentStrategy(name, store)
+    store = TensorStore(name, module, store_layer)
+    return _STRATEGIES[mode](name, store)
+
+
+_STRATEGIES: dict[ResidencyMode, type[ResidencyStrategy]] = {
+    ResidencyMode.RESIDENT: ResidentStrategy,
+    ResidencyMode.COMPONENT_OFFLOAD: ComponentOffloadStrategy,
+    ResidencyMode.SNAPSHOT_OFFLOAD: SnapshotOffloadStrategy,
+}

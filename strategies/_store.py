@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._device import CopyPair, DeviceLayer, Tier
+from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
 
-__all__ = ["ALIGN", "Move", "StoreError", "StoreReport", "TensorStore", "Unit"]
+__all__ = ["ALIGN", "Fetch", "Move", "StoreError", "StoreReport", "TensorStore", "Unit"]
 
 ALIGN = 64  # byte alignment of every storage inside a unit buffer (keeps dtype views legal)
 
@@ -133,22 +133,10 @@ class Move:
         if self.to == "device":
             for unit, buf in zip(self.units, self.buffers, strict=True):
                 assert buf is not None
-                for st in unit.storages:
-                    for slot in st.slots:
-                        slot.tensor.data = slot.view_of(buf, st.offset)
-                unit.device_buf = buf
-                unit.where = "device"
+                self.store.point_to_device(unit, buf)
         else:
             for unit in self.units:
-                for slot in unit.slots():
-                    assert slot.host_view is not None
-                    slot.tensor.data = slot.host_view
-                unit.device_buf = None
-                unit.where = "host"
-                unit.mirror_current = True
-        for unit in self.units:
-            for slot in unit.slots():
-                slot.record()
+                self.store.point_to_host(unit)
         self.buffers.clear()
 
     def rollback(self) -> None:
@@ -156,6 +144,21 @@ class Move:
         self.buffers.clear()
         for unit in self.new_mirrors:
             self.store.drop_mirror(unit)
+
+
+@dataclass(eq=False)
+class Fetch:
+    """A unit's copy to the device started from synchronous code (a forward hook)."""
+
+    store: TensorStore
+    unit: Unit
+    buf: torch.Tensor
+    handle: CopyHandle
+
+    def complete(self) -> None:
+        """Order the compute after the copy and re-point the unit's tensors at it."""
+        self.handle.wait()
+        self.store.point_to_device(self.unit, self.buf)
 
 
 class TensorStore:
@@ -278,6 +281,7 @@ class TensorStore:
                 u.mirror_current = False
 
     # -- mirrors -------------------------------------------------------------------
+    @torch.inference_mode(False)
     def ensure_mirror(self, unit: Unit) -> bool:
         """Allocate ``unit``'s host mirror if it has none; True when it was allocated now."""
         if unit.host is not None:
@@ -308,12 +312,30 @@ class TensorStore:
             pairs += self._copy_out_pairs(unit)
         await self.layer.copy(pairs, "host")
         for unit in units:
-            for slot in unit.slots():
-                assert slot.host_view is not None
-                slot.tensor.data = slot.host_view
-                slot.record()
-            unit.mirror_current = True
+            self.point_to_host(unit)
         return sum(u.nbytes for u in units)
+
+    # -- re-pointing (the commit of every move) -----------------------------------------
+    @torch.inference_mode(False)
+    def point_to_device(self, unit: Unit, buf: torch.Tensor) -> None:
+        """Re-point ``unit``'s tensors at ``buf`` (its bytes already copied in)."""
+        for st in unit.storages:
+            for slot in st.slots:
+                slot.tensor.data = slot.view_of(buf, st.offset)
+                slot.record()
+        unit.device_buf = buf
+        unit.where = "device"
+
+    @torch.inference_mode(False)
+    def point_to_host(self, unit: Unit) -> None:
+        """Re-point ``unit``'s tensors at its (current) mirror; the device bytes are dropped."""
+        for slot in unit.slots():
+            assert slot.host_view is not None
+            slot.tensor.data = slot.host_view
+            slot.record()
+        unit.device_buf = None
+        unit.where = "host"
+        unit.mirror_current = True
 
     # -- moves ---------------------------------------------------------------------
     def select(self, where: Tier, keys: Iterable[str] | None = None,
@@ -360,6 +382,28 @@ class TensorStore:
             move.rollback()
             raise
         return move
+
+    # -- synchronous moves, for forward hooks ----------------------------------------
+    def start_fetch(self, unit: Unit) -> Fetch:
+        """Allocate ``unit``'s device buffer and start copying its mirror in."""
+        assert unit.where == "host" and unit.host is not None
+        buf = self.layer.alloc(unit.nbytes, "device")
+        return Fetch(self, unit, buf, self.layer.start_copy([(buf, unit.host)], "device"))
+
+    def evict(self, unit: Unit) -> int:
+        """Send ``unit`` back to its mirror now, copying first only if it changed on the
+        device. Returns the bytes copied."""
+        assert unit.where == "device"
+        copied = 0
+        if unit.dirty():
+            self.ensure_mirror(unit)
+            # The compute stream waits for the copy, so the freed buffer is not reused early;
+            # the host waits too, since the mirror is read as soon as it is re-pointed.
+            self.layer.start_copy(self._copy_out_pairs(unit), "host").wait()
+            self.layer.synchronize()
+            copied = unit.nbytes
+        self.point_to_host(unit)
+        return copied
 
     @staticmethod
     def _copy_out_pairs(unit: Unit) -> list[CopyPair]:
