@@ -13,8 +13,9 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -22,6 +23,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import structlog
 import torch
 from torch import nn
@@ -54,7 +56,15 @@ from ._errors import (
 from ._events import get_logger
 from ._phase import NOT_INITIALIZED, REFUSALS, TRANSITIONS, Phase, Refusal
 from ._pipeline import components_of
-from ._results import ComponentPlacement, OccupationResult, PlacementReport
+from ._results import ComponentPlacement, OccupationResult, PlacementReport, UpdateResult
+from ._updates import (
+    UpdatePlan,
+    UpdateRefused,
+    apply_plan,
+    checksum,
+    plan_from_disk,
+    plan_from_tensors,
+)
 
 __all__ = ["LifecycleController"]
 
@@ -81,6 +91,7 @@ class _Component:
     guard: ComputeGuard | None = None
     users: int = 0
     lock: anyio.Lock = field(default_factory=anyio.Lock)
+    fsdp: bool = False
     prefetch: _Prefetch | None = None
 
 
@@ -140,6 +151,7 @@ class LifecycleController:
         self._lock = anyio.Lock()
         self._components: dict[str, _Component] = {}
         self._transition: str | None = None
+        self._version = 0
 
     # -- introspection -----------------------------------------------------------------
     @property
@@ -200,8 +212,7 @@ class LifecycleController:
         if found and found[0] is Refusal.NOOP:
             return found
         if trigger in ("sleep", "wake") and (
-                self.use_fsdp_inference or any(is_fsdp_managed(c.module)
-                                               for c in self._components.values())):
+                self.use_fsdp_inference or any(c.fsdp for c in self._components.values())):
             raise FSDPInferenceUnsupported(trigger, self.phase)
         if found and found[0] is Refusal.REJECT:
             if trigger == "begin_update":
@@ -254,27 +265,34 @@ class LifecycleController:
             self._refusal("attach")
             found = components_of(pipeline)
             self.config.validate_components(found)
-            components = self._build(found)
+            components, enabled = self._build(found)
             with structlog.contextvars.bound_contextvars(transition="attach",
                                                          transition_id=next(_ids)):
                 t0 = time.perf_counter()
                 self._transition = "attach"
                 try:
                     copied = await self._place(components)
+                except BaseException:
+                    self._abandon(components.values(), enabled)
+                    raise
                 finally:
                     self._transition = None
                 self._components = components
                 for c in components.values():
-                    c.guard = ComputeGuard(c.module, functools.partial(self._check_forward, c.name),
-                                           c.strategy.store.note_training_forward)
+                    check = functools.partial(self._check_forward, c.name)
+                    c.strategy.forward_check = check
+                    c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward)
                 self._commit_phase("attach")
                 self._summary("attach", Phase.UNINITIALIZED, copied, time.perf_counter() - t0)
             return self.phase
 
-    def _build(self, found: dict[str, nn.Module]) -> dict[str, _Component]:
+    def _build(self, found: dict[str, nn.Module]
+               ) -> tuple[dict[str, _Component], list[nn.Module]]:
         """Strategies for every component, enabling layerwise offload where it is configured
-        and possible; on any refusal nothing is left changed."""
+        and possible; on any refusal nothing is left changed. Returns the components and
+        the modules layerwise offload was enabled on."""
         enabled: list[nn.Module] = []
+        components: dict[str, _Component] = {}
         try:
             for name, module in found.items():
                 if self.config.mode_for(name) is ResidencyMode.LAYERWISE_OFFLOAD \
@@ -282,13 +300,22 @@ class LifecycleController:
                     with contextlib.suppress(ValueError):  # build_strategy says why not
                         enable_layerwise_offload(module)
                         enabled.append(module)
-            return {name: _Component(name, module,
-                                     build_strategy(name, module, self.config, self._layer))
-                    for name, module in found.items()}
+            for name, module in found.items():
+                components[name] = _Component(
+                    name, module, build_strategy(name, module, self.config, self._layer),
+                    fsdp=is_fsdp_managed(module))
         except BaseException:
-            for module in enabled:
-                disable_layerwise_offload(module)
+            self._abandon(components.values(), enabled)
             raise
+        return components, enabled
+
+    @staticmethod
+    def _abandon(components: Iterable[_Component], enabled: list[nn.Module]) -> None:
+        """Undo a refused or failed attach: hooks removed, layerwise marks taken back."""
+        for c in components:
+            c.strategy.close()
+        for module in enabled:
+            disable_layerwise_offload(module)
 
     async def _place(self, components: dict[str, _Component]) -> int:
         """Move every component to its awake placement (adopting host-loaded tensors)."""
@@ -410,7 +437,7 @@ class LifecycleController:
         """Re-inventory components whose tensors were replaced behind our back."""
         for c in self._components.values():
             store = c.strategy.store
-            if store.structure_changed() or store.drifted():
+            if store.structure_changed(deep=False) or store.drifted():
                 _log.warning("store.rescan", component=c.name,
                              drifted=store.drifted()[:8], rank=self.rank)
                 store.rescan()
@@ -428,6 +455,81 @@ class LifecycleController:
                   dest=self.phase.value, outcome="committed", seconds=round(seconds, 6),
                   bytes=copied, released=released,
                   gbps=round(copied / seconds / 1e9, 3) if seconds > 0 else 0.0, rank=self.rank)
+
+    # -- weight updates --------------------------------------------------------------
+    @property
+    def weights_version(self) -> int:
+        """+1 per successful weight update since this controller was made."""
+        return self._version
+
+    def weights_checksum(self, components: Sequence[str] | None = None) -> dict[str, str]:
+        """SHA-256 per component over its tensors in name order (name, dtype, shape, bytes),
+        read from wherever the bytes are; identical weights give identical sums whatever
+        their placement."""
+        names = list(self._components) if components is None else list(components)
+        return {n: checksum(self._component(n).strategy.store) for n in names}
+
+    async def update_weights_from_disk(self, model_path: str | os.PathLike[str],
+                                       target_modules: Sequence[str] | None = None
+                                       ) -> UpdateResult:
+        """Load ``<model_path>/<component>/*.safetensors`` (or one ``.safetensors`` file with
+        ``<component>.<name>`` keys) into the pipeline, all or nothing."""
+        stores = self._stores()
+        return await self._update("update_from_disk", lambda: plan_from_disk(
+            stores, model_path, None if target_modules is None else list(target_modules)))
+
+    async def update_weights_from_tensors(
+            self, named_tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+            target_module: str = "transformer") -> UpdateResult:
+        """Write ``named_tensors`` (names inside ``target_module``) into it, all or nothing."""
+        stores = self._stores()
+        return await self._update("update_from_tensors",
+                                  lambda: plan_from_tensors(stores, named_tensors, target_module))
+
+    def _stores(self) -> dict[str, Any]:
+        return {n: c.strategy.store for n, c in self._components.items()}
+
+    async def _update(self, kind: str, make_plan: Callable[[], UpdatePlan]) -> UpdateResult:
+        async with self._lock:
+            refusal = self._refusal("begin_update")
+            if refusal:
+                return UpdateResult(False, refusal[1], self._version)
+            with structlog.contextvars.bound_contextvars(transition=kind,
+                                                         transition_id=next(_ids)):
+                self._resync_structure()
+                try:
+                    plan = await anyio.to_thread.run_sync(make_plan)
+                except UpdateRefused as exc:
+                    _log.info("transition.rejected", trigger=kind, phase=self.phase.value,
+                              reason=str(exc), rank=self.rank)
+                    return UpdateResult(False, str(exc), self._version)
+                try:
+                    async with self._gate(kind):
+                        return await self._apply(kind, plan)
+                finally:
+                    plan.close()
+
+    async def _apply(self, kind: str, plan: UpdatePlan) -> UpdateResult:
+        t0 = time.perf_counter()
+        before = self._version
+        self._commit_phase("begin_update")
+        try:
+            written = await apply_plan(plan, self._layer)
+        except Exception as exc:
+            _log.warning("transition.rolled_back", trigger=kind, phase=self.phase.value,
+                         error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+            return UpdateResult(False, f"update failed and was rolled back; weights are "
+                                f"unchanged: {type(exc).__name__}: {exc}", before)
+        finally:
+            self._commit_phase("end_update")
+        self._version += 1
+        seconds = time.perf_counter() - t0
+        if plan.casts:
+            _log.info("update.cast", tensors=len(plan.casts), casts=plan.casts[:16])
+        self._summary(kind, Phase.AWAKE, written, seconds)
+        return UpdateResult(True, f"updated {len(plan.writes)} tensor(s) of "
+                            f"{list(plan.components)} to version {self._version}",
+                            self._version, plan.components, written, seconds)
 
     # -- uses ------------------------------------------------------------------------
     @asynccontextmanager
@@ -548,8 +650,10 @@ class LifecycleController:
                             and self._admission.closed_by is None:
                         pf.started = True
                         pf.move = await c.strategy.prepare_use()
-                        pf.ready = True
-                        return
+                        # A copy is not abandoned when cancelled: it completes, so look again.
+                        if not pf.scope.cancel_called and self._admission.closed_by is None:
+                            pf.ready = True
+                            return
             except Exception as exc:
                 _log.warning("prefetch.failed", component=c.name,
                              error=f"{type(exc).__name__}: {exc}", rank=self.rank)

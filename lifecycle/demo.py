@@ -352,6 +352,9 @@ def _fill(modules: dict[str, nn.Module], seed: int) -> None:
         if p.dim() == 1 and name.endswith("weight"):
             p.fill_(1.0)
             continue
+        std = 0.02 if p.dim() == 1 else 1.0 / math.sqrt(p[0].numel())
+        if ".ada." in name or "final_ada" in name:
+            std *= 0.1
         flat = p.view(-1)
         off = int(torch.randint(_POOL, (1,), generator=g))
         pos = 0
@@ -359,8 +362,7 @@ def _fill(modules: dict[str, nn.Module], seed: int) -> None:
             take = min(flat.numel() - pos, _POOL - off)
             flat[pos:pos + take].copy_(pool[off:off + take])
             pos, off = pos + take, 0
-        std = 0.02 if p.dim() == 1 else 1.0 / math.sqrt(p[0].numel())
-        flat.mul_(std * 0.1 if ".ada." in name or "final_ada" in name else std)
+        flat.mul_(std)  # (a mixed-dtype ``torch.mul(..., out=)`` is slower for bfloat16)
 
 
 # -- the pipeline ----------------------------------------------------------------------
@@ -385,11 +387,14 @@ class DemoPipeline:
     @classmethod
     def build(cls, size_bytes: int = 64 * _MB, *, seed: int = 0, dtype: torch.dtype = torch.float32,
               num_layers: int | None = None) -> DemoPipeline:
-        """A pipeline whose weights take about ``size_bytes`` (within 25%), on the CPU.
+        """A pipeline whose weights take about ``size_bytes`` (within 25% from 1 MB up;
+        smaller budgets get the smallest pipeline, about 0.2 MB), on the CPU.
 
         The same ``(size_bytes, seed, dtype, num_layers)`` always gives the same weights."""
         if size_bytes <= 0:
             raise ValueError(f"size_bytes must be positive, got {size_bytes}")
+        if num_layers is not None and num_layers < 1:
+            raise ValueError(f"num_layers must be at least 1, got {num_layers}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
         config = _choose(size_bytes, dtype, num_layers)

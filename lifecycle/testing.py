@@ -1,43 +1,43 @@
 """Helpers for testing code that uses this library (and for this library's own tests).
 
-:class:`FaultyDevice` wraps a real device layer and fails the k-th copy or allocation, or
-slows every copy down, so that rollback and cancellation paths run for real. It counts
+:class:`FaultInjection` makes a device layer fail the k-th copy or allocation, or slow every
+copy down, so that rollback and cancellation paths run for real; :class:`FaultyDevice` is
+the CPU layer with it, :func:`faulty_device_layer` the right one for any device. It counts
 every copy and allocation so a test can enumerate every failure point::
 
-    probe = FaultyDevice(CpuDevice())
-    ... run the operation once with probe ...
+    probe = FaultyDevice()
+    ... run the operation once with probe, note probe.copies ...
     for k in range(1, probe.copies + 1):
-        layer = FaultyDevice(CpuDevice(), fail_copy_at=k)
+        layer = FaultyDevice(fail_copy_at=k)
         ...
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
-from strategies import CpuDevice
+from strategies import CpuDevice, CudaDevice, DeviceLayer, resolve_device
 from strategies._device import Tier
 
-__all__ = ["FaultyDevice", "InjectedFault"]
+__all__ = ["FaultInjection", "FaultyDevice", "InjectedFault", "faulty_device_layer"]
 
 
 class InjectedFault(RuntimeError):
-    """The failure a :class:`FaultyDevice` raises at its chosen point."""
+    """The failure a fault-injecting layer raises at its chosen point."""
 
 
-class FaultyDevice(CpuDevice):
-    """A CPU device layer that fails the ``fail_copy_at``-th copy or the
-    ``fail_alloc_at``-th allocation (1-based, counted over the layer's life), and sleeps
-    ``copy_delay`` seconds in every copy (for cancellation tests).
+class FaultInjection(DeviceLayer):
+    """Mixin for a device layer: fails the ``fail_copy_at``-th copy or the
+    ``fail_alloc_at``-th allocation (1-based, counted over the layer's life) and sleeps
+    ``copy_delay`` seconds in every copy. Copies before the failing one really happen: the
+    failure is a real partial move."""
 
-    Copies before the failing one really happen: the failure is a real partial move.
-    """
-
-    def __init__(self, device: torch.device | None = None, *, fail_copy_at: int | None = None,
+    def __init__(self, *args: Any, fail_copy_at: int | None = None,
                  fail_alloc_at: int | None = None, copy_delay: float = 0.0) -> None:
-        super().__init__(device)
+        super().__init__(*args)
         self.fail_copy_at = fail_copy_at
         self.fail_alloc_at = fail_alloc_at
         self.copy_delay = copy_delay
@@ -48,12 +48,12 @@ class FaultyDevice(CpuDevice):
         self.fail_copy_at = None if copy_at is None else self.copies + copy_at
         self.fail_alloc_at = None if alloc_at is None else self.allocations + alloc_at
 
-    def _alloc(self, nbytes: int, tier: Tier) -> torch.Tensor:
+    def _alloc(self, nbytes: int, tier: Tier, pinned: bool) -> torch.Tensor:
         if self.allocations == self.fail_alloc_at:
             self.faults += 1
             self.fail_alloc_at = None
             raise InjectedFault(f"injected allocation failure ({tier}, {nbytes} bytes)")
-        return super()._alloc(nbytes, tier)
+        return super()._alloc(nbytes, tier, pinned)
 
     def _copy_one(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.copy_delay:
@@ -63,3 +63,25 @@ class FaultyDevice(CpuDevice):
             self.fail_copy_at = None
             raise InjectedFault(f"injected copy failure ({src.nbytes} bytes)")
         super()._copy_one(dst, src)
+
+
+class FaultyDevice(FaultInjection, CpuDevice):
+    """The CPU device layer with fault injection."""
+
+    def __init__(self, device: torch.device | None = None, *, fail_copy_at: int | None = None,
+                 fail_alloc_at: int | None = None, copy_delay: float = 0.0) -> None:
+        super().__init__(device, fail_copy_at=fail_copy_at, fail_alloc_at=fail_alloc_at,
+                         copy_delay=copy_delay)
+
+
+class FaultyCudaDevice(FaultInjection, CudaDevice):  # pragma: no cover - CUDA only
+    """The CUDA device layer with fault injection."""
+
+
+def faulty_device_layer(device: str | torch.device | None = None, **faults: Any
+                        ) -> FaultInjection:
+    """A fault-injecting layer for ``device`` (see :func:`strategies.resolve_device`)."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return FaultyCudaDevice(dev, **faults)
+    return FaultyDevice(dev, **faults)

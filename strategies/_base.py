@@ -11,6 +11,7 @@ the *when* (phases, locks, transactions):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from ._config import ResidencyMode
@@ -27,7 +28,8 @@ class ResidencyStrategy:
     def __init__(self, name: str, store: TensorStore) -> None:
         self.name = name
         self.store = store
-        self.in_use = 0
+        # Raises when a forward must not run (set by the controller; hooks call it first).
+        self.forward_check: Callable[[], None] = lambda: None
 
     def awake_units(self) -> list[Unit]:
         """Units that live on the device while the pipeline is awake and idle."""

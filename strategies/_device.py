@@ -113,19 +113,20 @@ class DeviceLayer:
         self.host_allocations = 0
 
     # -- allocation ----------------------------------------------------------------
-    def alloc(self, nbytes: int, tier: Tier) -> torch.Tensor:
-        """A fresh 1-D uint8 buffer of ``nbytes`` on ``tier`` (pinned host memory on CUDA)."""
+    def alloc(self, nbytes: int, tier: Tier, *, pinned: bool | None = None) -> torch.Tensor:
+        """A fresh 1-D uint8 buffer of ``nbytes`` on ``tier``. Host buffers are pinned on
+        CUDA unless ``pinned=False`` (transient buffers: pinning costs more than it saves)."""
         with self._count_lock:
             self.allocations += 1
             self.host_allocations += tier == "host"
         # Never an inference tensor, even when called from a hook under inference_mode.
         with torch.inference_mode(False):
-            return self._alloc(nbytes, tier)
+            return self._alloc(nbytes, tier, self.pinned if pinned is None else pinned)
 
-    def _alloc(self, nbytes: int, tier: Tier) -> torch.Tensor:
+    def _alloc(self, nbytes: int, tier: Tier, pinned: bool) -> torch.Tensor:
         if tier == "device":
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     # -- copies --------------------------------------------------------------------
     def _copy_one(self, dst: torch.Tensor, src: torch.Tensor) -> None:

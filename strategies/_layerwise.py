@@ -18,9 +18,11 @@ layers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -36,6 +38,14 @@ __all__ = [
 ]
 
 _ATTR = "_residency_layerwise_blocks"
+
+
+def _normal_tensors() -> contextlib.AbstractContextManager[Any]:
+    """Hooks may run under ``torch.inference_mode``: the views we re-point parameters at
+    must still be normal tensors (inference tensors cannot be updated in place later)."""
+    if torch.is_inference_mode_enabled():
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 def _block_lists(module: nn.Module) -> dict[str, nn.ModuleList | nn.Sequential]:
@@ -111,7 +121,6 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
         self.prefetch, resident = tuning.resolve(n)
         self.resident = frozenset(resident)
         self.units: list[Unit | None] = [store.by_key.get(key) for key, _ in layers]
-        self.forward_check: Callable[[], None] = lambda: None
         self._fetches: dict[int, Fetch] = {}
         self._running: dict[int, int] = {}
         self._next: dict[int, int] = {}
@@ -158,11 +167,12 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
                 self._next[self._last] = i
             self._last = i
             self._running[i] = self._running.get(i, 0) + 1
-            self._bring_in(i)
-            window = self._window(i, include_start=False)
-            self._evict_except(set(window) | {i})
-            for j in window:
-                self._start(j)
+            with _normal_tensors():
+                self._bring_in(i)
+                window = self._window(i, include_start=False)
+                self._evict_except(set(window) | {i})
+                for j in window:
+                    self._start(j)
         return pre
 
     def _make_post(self, i: int) -> Callable[[nn.Module, Any, Any], None]:
@@ -171,7 +181,8 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
             if not self._running[i]:
                 del self._running[i]
                 if not self._held(i):
-                    self._evict(i)
+                    with _normal_tensors():
+                        self._evict(i)
         return post
 
     def _start(self, i: int) -> None:

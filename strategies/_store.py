@@ -176,30 +176,32 @@ class TensorStore:
         self.layer_keys = tuple(layers)
         self.units: list[Unit] = []
         self.by_key: dict[str, Unit] = {}
-        self._signature: list[tuple[str, int]] = []
         self._inventory()
 
     # -- inventory -----------------------------------------------------------------
-    def _named_tensors(self) -> list[tuple[str, torch.Tensor, nn.Module | None]]:
-        """(name, tensor, owning module if it is a buffer) for every registration."""
-        named: list[tuple[str, torch.Tensor, nn.Module | None]] = [
-            (n, p, None) for n, p in self.module.named_parameters(remove_duplicate=False)]
+    def _registrations(self) -> list[tuple[str, torch.Tensor, nn.Module, bool]]:
+        """(name, tensor, owning module, is_buffer) for every registration."""
+        out: list[tuple[str, torch.Tensor, nn.Module, bool]] = []
         for prefix, sub in self.module.named_modules(remove_duplicate=False):
-            named += [(f"{prefix}.{n}" if prefix else n, b, sub)
-                      for n, b in sub._buffers.items() if b is not None]
-        return named
+            for is_buffer, table in ((False, sub._parameters), (True, sub._buffers)):
+                out += [(f"{prefix}.{n}" if prefix else n, t, sub, is_buffer)
+                        for n, t in table.items() if t is not None]
+        return out
 
     def _inventory(self) -> None:
-        named = self._named_tensors()
+        regs = self._registrations()
         self._buffers_of: dict[int, list[_Slot]] = {}
-        self._signature = [(n, id(t)) for n, t, _ in named]
+        # Where each tensor is registered, to notice a replaced Parameter cheaply.
+        self._where = [(sub._buffers if is_buffer else sub._parameters, n.rsplit(".", 1)[-1], t)
+                       for n, t, sub, is_buffer in regs]
+        self._registration_count = len(regs)
         slots: dict[int, _Slot] = {}
-        for n, t, owner in named:
+        for n, t, owner, is_buffer in regs:
             self._check_tensor(n, t)
             if id(t) not in slots:
                 slots[id(t)] = _Slot(t, [], int(t.storage_offset()) * t.element_size())
             slots[id(t)].names.append(n)
-            if owner is not None:
+            if is_buffer:
                 self._buffers_of.setdefault(id(owner), []).append(slots[id(t)])
         storages: dict[tuple[str, int], _Storage] = {}
         for slot in slots.values():
@@ -255,9 +257,12 @@ class TensorStore:
             offset = _align(end)
         return Unit(key, storages, nbytes=end)
 
-    def structure_changed(self) -> bool:
-        """Whether tensors were added, removed or replaced in the module since inventory."""
-        return [(n, id(t)) for n, t, _ in self._named_tensors()] != self._signature
+    def structure_changed(self, deep: bool = False) -> bool:
+        """Whether a registered tensor was replaced or removed since inventory (a few dict
+        look-ups per tensor); ``deep`` also walks the module tree for added tensors."""
+        if any(table.get(key) is not t for table, key, t in self._where):
+            return True
+        return deep and len(self._registrations()) != self._registration_count
 
     def rescan(self) -> None:
         """Take inventory again (after the module's structure changed while on device)."""
@@ -281,7 +286,6 @@ class TensorStore:
                 u.mirror_current = False
 
     # -- mirrors -------------------------------------------------------------------
-    @torch.inference_mode(False)
     def ensure_mirror(self, unit: Unit) -> bool:
         """Allocate ``unit``'s host mirror if it has none; True when it was allocated now."""
         if unit.host is not None:
@@ -316,7 +320,6 @@ class TensorStore:
         return sum(u.nbytes for u in units)
 
     # -- re-pointing (the commit of every move) -----------------------------------------
-    @torch.inference_mode(False)
     def point_to_device(self, unit: Unit, buf: torch.Tensor) -> None:
         """Re-point ``unit``'s tensors at ``buf`` (its bytes already copied in)."""
         for st in unit.storages:
@@ -326,7 +329,6 @@ class TensorStore:
         unit.device_buf = buf
         unit.where = "device"
 
-    @torch.inference_mode(False)
     def point_to_host(self, unit: Unit) -> None:
         """Re-point ``unit``'s tensors at its (current) mirror; the device bytes are dropped."""
         for slot in unit.slots():

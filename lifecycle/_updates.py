@@ -1,0 +1,327 @@
+"""Weight updates: validate everything, back up, write, and roll back on any failure.
+
+A plan is built first and nothing is written until every check passed: target components
+exist, every target has weight files, every key names a parameter or buffer (the reference
+silently ignores unknown keys: that is how stale weights get served), every shape matches.
+Dtype differences are cast to the parameter's dtype and reported.
+
+Writing is all-or-nothing across every tensor of every target component: the old bytes of
+every tensor to be written are copied into host memory first; on any failure after writing
+started (a copy, an I/O error, a cancellation) every written tensor is restored from that
+backup, not by re-reading an old checkpoint.
+
+Where the bytes are written depends on where they live: a tensor on the device is written
+there, and in its host mirror too when the mirror was current (so the next sleep still copies
+nothing); a tensor on the host (offloaded components, streamed layers) is written in its host
+store only, with no device round trip. Parameter objects keep their identity.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+import torch
+from safetensors import SafetensorError, safe_open
+
+from strategies import DeviceLayer, TensorStore
+from strategies._store import Unit, _Slot
+
+from ._events import get_logger
+
+__all__ = ["UpdatePlan", "UpdateRefused", "apply_plan", "checksum", "plan_from_disk",
+           "plan_from_tensors"]
+
+_log = get_logger("lifecycle.updates")
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_CHUNK = 256 * 2**20  # bytes loaded per worker-thread call
+
+
+class UpdateRefused(ValueError):
+    """An update failed validation; nothing was written."""
+
+
+@dataclass(eq=False)
+class _Write:
+    component: str
+    name: str
+    slot: _Slot
+    unit: Unit
+    load: Callable[[], torch.Tensor]
+    nbytes: int
+
+
+@dataclass(eq=False)
+class UpdatePlan:
+    """Validated writes, grouped by nothing: applied in order, all or none."""
+
+    writes: list[_Write]
+    components: tuple[str, ...]
+    casts: list[str] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)  # open safetensors files
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.writes)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.__exit__(None, None, None)
+        self.handles.clear()
+
+
+def _shape(shape: Iterable[int]) -> str:
+    return str(tuple(int(d) for d in shape))
+
+
+def _check_targets(stores: Mapping[str, TensorStore], targets: Sequence[str]) -> None:
+    missing = [t for t in targets if t not in stores]
+    if missing:
+        raise UpdateRefused(f"Module(s) requested for update not found in pipeline: {missing}. "
+                            f"Available Module(s): {sorted(stores)}")
+
+
+def _slots_by_name(store: TensorStore) -> dict[str, tuple[_Slot, Unit]]:
+    return {n: (slot, unit) for unit in store.units for slot in unit.slots() for n in slot.names}
+
+
+class _Planner:
+    """Collects writes for one update, checking names, shapes and duplicates."""
+
+    def __init__(self, stores: Mapping[str, TensorStore]) -> None:
+        self.stores = stores
+        self.plan = UpdatePlan([], ())
+        self._index: dict[str, dict[str, tuple[_Slot, Unit]]] = {}
+        self._seen: dict[int, str] = {}
+        self.unknown: list[str] = []
+
+    def add(self, component: str, name: str, shape: Sequence[int], dtype: torch.dtype,
+            load: Callable[[], torch.Tensor]) -> None:
+        index = self._index.setdefault(component, _slots_by_name(self.stores[component]))
+        found = index.get(name)
+        if found is None:
+            self.unknown.append(f"{component}.{name}")
+            return
+        slot, unit = found
+        model = slot.tensor
+        if tuple(shape) != tuple(model.shape):
+            raise UpdateRefused(f"Shape mismatch for {name}: model={_shape(model.shape)}, "
+                                f"loaded={_shape(shape)}")
+        if id(slot) in self._seen:
+            raise UpdateRefused(f"tensor {component}.{name} is given twice (also as "
+                                f"{self._seen[id(slot)]})")
+        self._seen[id(slot)] = f"{component}.{name}"
+        if dtype != model.dtype:
+            self.plan.casts.append(f"{component}.{name}: {dtype} -> {model.dtype}")
+        self.plan.writes.append(_Write(component, name, slot, unit, load, model.nbytes))
+
+    def finish(self, components: Sequence[str]) -> UpdatePlan:
+        if self.unknown:
+            shown = sorted(self.unknown)
+            more = f" (and {len(shown) - 20} more)" if len(shown) > 20 else ""
+            self.plan.close()
+            raise UpdateRefused(f"{len(shown)} key(s) match no parameter or buffer: "
+                                f"{shown[:20]}{more}; nothing was updated")
+        self.plan.components = tuple(components)
+        return self.plan
+
+
+def plan_from_tensors(stores: Mapping[str, TensorStore],
+                      named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                      target: str) -> UpdatePlan:
+    """Plan writing ``named`` (names inside ``target``) into component ``target``."""
+    _check_targets(stores, [target])
+    items = list(named.items()) if isinstance(named, Mapping) else list(named)
+    planner = _Planner(stores)
+    for i, item in enumerate(items):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise UpdateRefused(f"entry {i} is not a (name, tensor) pair")
+        name, tensor = item
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise UpdateRefused(f"entry {i} must be (str, torch.Tensor), got "
+                                f"({type(name).__name__}, {type(tensor).__name__})")
+        if tensor.is_meta or tensor.layout != torch.strided:
+            raise UpdateRefused(f"tensor {name!r} has no dense data ({tensor.device}, "
+                                f"{tensor.layout})")
+        planner.add(target, name, tensor.shape, tensor.dtype, functools.partial(_same, tensor))
+    return planner.finish([target])
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _files_of(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+
+
+def _open(path: Path, plan: UpdatePlan) -> Any:
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+        f = handle.__enter__()  # type: ignore[no-untyped-call]
+    except (SafetensorError, OSError) as exc:
+        plan.close()
+        raise UpdateRefused(f"cannot read weight file {path}: not a valid safetensors file "
+                            f"({exc})") from exc
+    plan.handles.append(handle)
+    return f
+
+
+def _add_file(planner: _Planner, f: Any, path: Path, component: str | None,
+              components: set[str]) -> None:
+    for key in sorted(f.keys()):
+        sl = f.get_slice(key)
+        dtype = _ST_DTYPES.get(sl.get_dtype())
+        if dtype is None:
+            planner.plan.close()
+            raise UpdateRefused(f"{path}: tensor {key!r} has unsupported dtype {sl.get_dtype()}")
+        comp, name = component, key
+        if comp is None:
+            comp = max((c for c in planner.stores if key.startswith(c + ".")), key=len,
+                       default=None)
+            if comp is None:
+                planner.unknown.append(key)
+                continue
+            name = key[len(comp) + 1:]
+        components.add(comp)
+        planner.add(comp, name, sl.get_shape(), dtype, functools.partial(f.get_tensor, key))
+
+
+def plan_from_disk(stores: Mapping[str, TensorStore], path: str | os.PathLike[str],
+                   targets: Sequence[str] | None) -> UpdatePlan:
+    """Plan an update from ``<path>/<component>/*.safetensors`` or from one ``.safetensors``
+    file whose keys are ``<component>.<name>``."""
+    root = Path(path)
+    if targets is not None:
+        _check_targets(stores, list(targets))
+    if not root.exists():
+        raise UpdateRefused(f"weight path does not exist: {root}")
+    planner = _Planner(stores)
+    components: set[str] = set()
+    if root.is_file():
+        f = _open(root, planner.plan)
+        _add_file(planner, f, root, None, components)
+        if targets is not None:
+            extra = sorted(components - set(targets))
+            missing = sorted(set(targets) - components)
+            planner.plan.writes = [w for w in planner.plan.writes if w.component in targets]
+            if missing:
+                planner.plan.close()
+                raise UpdateRefused(f"Cannot update weights: missing weight files for modules: "
+                                    f"{missing}. No partial updates allowed.")
+            if extra:
+                _log.info("update.skipped_components", components=extra)
+        return planner.finish(sorted(set(targets or components)))
+    wanted = list(targets) if targets is not None else \
+        [c for c in stores if _files_of(root / c)]
+    missing = [c for c in wanted if not _files_of(root / c)]
+    if missing:
+        raise UpdateRefused(f"Cannot update weights: missing weight files for modules: "
+                            f"{missing}. No partial updates allowed.")
+    if not wanted:
+        raise UpdateRefused(f"no weight files under {root}: expected <path>/<component>/"
+                            f"*.safetensors for components {sorted(stores)}")
+    for comp in wanted:
+        for file in _files_of(root / comp):
+            _add_file(planner, _open(file, planner.plan), file, comp, components)
+    return planner.finish(wanted)
+
+
+# -- applying ---------------------------------------------------------------------------
+def _targets(w: _Write) -> list[torch.Tensor]:
+    """Where ``w`` must be written: the live tensor, and the host mirror too when the
+    tensor is on the device and the mirror is current."""
+    out = [w.slot.tensor.detach()]
+    if w.unit.where == "device" and w.unit.mirror_current and w.slot.host_view is not None:
+        out.append(w.slot.host_view)
+    return out
+
+
+def _load_chunk(writes: Sequence[_Write]) -> list[torch.Tensor]:
+    out = []
+    for w in writes:
+        src = w.load()
+        out.append(src if src.dtype == w.slot.tensor.dtype else src.to(w.slot.tensor.dtype))
+    return out
+
+
+def _chunks(writes: list[_Write]) -> Iterable[list[_Write]]:
+    chunk: list[_Write] = []
+    size = 0
+    for w in writes:
+        chunk.append(w)
+        size += w.nbytes
+        if size >= _CHUNK:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _tier(t: torch.Tensor, layer: DeviceLayer) -> str:
+    return "device" if t.device == layer.device and layer.device.type != "cpu" else "host"
+
+
+async def _copy(layer: DeviceLayer, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    if pairs:
+        await layer.copy(pairs, "device" if any(_tier(d, layer) == "device" for d, _ in pairs)
+                         else "host")
+
+
+async def apply_plan(plan: UpdatePlan, layer: DeviceLayer) -> int:
+    """Write every tensor of ``plan`` or none; returns the bytes written."""
+    was_clean = [w.slot.version == w.slot.tensor._version for w in plan.writes]
+    backups: list[torch.Tensor] = []
+    written = 0  # writes (in plan order) whose targets may have been touched
+    try:
+        for w in plan.writes:
+            t = w.slot.tensor
+            buf = layer.alloc(w.nbytes, "host", pinned=False)
+            backups.append(buf.view(t.dtype).view(t.shape) if w.nbytes else
+                           torch.empty_like(t, device="cpu"))
+        await _copy(layer, [(b, w.slot.tensor.detach())
+                            for b, w in zip(backups, plan.writes, strict=True)])
+        for chunk in _chunks(plan.writes):
+            sources = await anyio.to_thread.run_sync(_load_chunk, chunk)
+            written += len(chunk)
+            await _copy(layer, [(t, src) for w, src in zip(chunk, sources, strict=True)
+                                for t in _targets(w)])
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            done = plan.writes[:written]
+            await _copy(layer, [(t, b) for w, b in zip(done, backups, strict=False)
+                                for t in _targets(w)])
+            for w, clean in zip(done, was_clean, strict=False):
+                w.slot.version = w.slot.tensor._version if clean else -1
+        raise
+    for w in plan.writes:
+        # Clean when every copy of the bytes was written: device and current mirror, or the
+        # host store itself.
+        both = len(_targets(w)) == 2 or w.unit.where == "host"
+        w.slot.version = w.slot.tensor._version if both else -1
+    return plan.nbytes
+
+
+def checksum(store: TensorStore) -> str:
+    """SHA-256 over the component's tensors in name order: name, dtype, shape and bytes,
+    read from wherever they live (device, mirror, layer store)."""
+    h = hashlib.sha256()
+    for name, t in store.named_tensors():
+        c = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{str(c.dtype).removeprefix('torch.')}|{_shape(c.shape)}\n".encode())
+        if c.numel():
+            h.update(ctypes.string_at(c.data_ptr(), c.nbytes))
+    return h.hexdigest()

@@ -1,0 +1,125 @@
+"""The ``residency`` command: drills, the benchmark, the state diagram.
+
+Exit codes: 0 success, 1 a drill expectation failed, 2 bad usage or a bad scenario file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ._events import configure_logging
+from ._phase import mermaid
+from .demo import parse_size
+from .drills import DrillReport, ScenarioError, StepOutcome, default_scenario, load_scenario, run_drill
+
+__all__ = ["main"]
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _table(report: DrillReport) -> Table:
+    table = Table(title=f"drill {report.scenario!r} on {report.device}, pipeline "
+                        f"{_bytes(report.pipeline_bytes)}", title_justify="left")
+    for col, just in (("step", "left"), ("", "left"), ("outcome", "left"), ("seconds", "right"),
+                      ("moved", "right"), ("GB/s", "right"), ("device after", "right"),
+                      ("phase after", "left")):
+        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for o in report.outcomes:
+        index = ".".join(re.findall(r"\[(\d+)\]", o.index))
+        table.add_row(index, o.step, ("ok: " if o.ok else "FAILED: ") + o.message[:70],
+                      f"{o.seconds:.4f}", _bytes(o.bytes_moved) if o.bytes_moved else "-",
+                      f"{o.gbps:.2f}" if o.bytes_moved else "-", _bytes(o.device_bytes), o.phase)
+    return table
+
+
+def _drill(args: argparse.Namespace) -> int:
+    try:
+        scenario = load_scenario(args.scenario) if args.scenario else default_scenario(args.cycles)
+        if args.size:
+            parse_size(args.size)
+    except (ScenarioError, ValueError) as exc:
+        print(f"residency drill: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(json=args.log_json, level="info" if args.log_json else "warning")
+    err = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=err, transient=True, disable=args.json) as progress:
+        task = progress.add_task("starting", total=None)
+
+        def on_step(o: StepOutcome) -> None:
+            progress.update(task, description=f"{o.index} {o.step}: {o.message[:50]}")
+
+        try:
+            report = anyio.run(lambda: run_drill(scenario, device=args.device, size=args.size,
+                                                 residency=args.residency, on_step=on_step))
+        except ValueError as exc:  # bad residency string, device or size
+            print(f"residency drill: {exc}", file=sys.stderr)
+            return 2
+    if args.timeline:
+        from ._timeline import draw_timeline
+
+        draw_timeline(report, Path(args.timeline))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        out = Console(width=None if sys.stdout.isatty() else 140)
+        out.print(_table(report))
+        out.print(("[green]" if report.passed else "[red]") + report.verdict)
+        if args.timeline:
+            out.print(f"timeline written to {args.timeline}")
+    return 0 if report.passed else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def _diagram(args: argparse.Namespace) -> int:
+    print(mermaid(), end="")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="residency", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("drill", help="run a lifecycle drill on the built-in demo pipeline")
+    d.add_argument("scenario", nargs="?", help="scenario TOML file (default: built-in cycle)")
+    d.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    d.add_argument("--size", help="demo pipeline weight size, e.g. 256MB, 2GB (default 64MB)")
+    d.add_argument("--residency", help="component residency, e.g. 'transformer=layerwise-offload'")
+    d.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles of the default drill")
+    d.add_argument("--json", action="store_true", help="print the report as one JSON document")
+    d.add_argument("--timeline", metavar="FILE.png", help="draw device/host bytes over time")
+    d.add_argument("--log-json", action="store_true", help="structured events as JSON on stderr")
+    d.set_defaults(func=_drill)
+    b = sub.add_parser("bench", help="sleep/wake/update benchmark against the reference")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (--help)")
+    b.set_defaults(func=_bench)
+    g = sub.add_parser("diagram", help="the lifecycle state machine as Mermaid")
+    g.set_defaults(func=_diagram)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "drill" and args.cycles < 0:
+        print("residency drill: --cycles must be non-negative", file=sys.stderr)
+        return 2
+    return int(args.func(args))
