@@ -70,6 +70,7 @@ __all__ = ["LifecycleController"]
 
 _log = get_logger("lifecycle")
 _ids = itertools.count(1)
+_VALID = frozenset((t.trigger, t.source) for t in TRANSITIONS)
 
 
 @dataclass(eq=False)
@@ -192,6 +193,9 @@ class LifecycleController:
                                              r.pinned_bytes, c.strategy.store.nbytes)
         return PlacementReport(self.phase, MappingProxyType(comps), self._layer.memory_allocated())
 
+    def _device_bytes(self) -> int:
+        return sum(c.strategy.store.device_bytes for c in self._components.values())
+
     def mark_dirty(self, components: list[str] | None = None) -> None:
         """Declare host mirrors stale after writes through ``param.data`` (which bypass
         torch's version counter): the next sleep copies those components again."""
@@ -218,7 +222,7 @@ class LifecycleController:
             if trigger == "begin_update":
                 raise WeightUpdateWhileSleeping(trigger, self.phase)
             raise TransitionRejected(trigger, self.phase, found[1])
-        if found is None and not self._fsm_model.may_trigger(trigger):  # type: ignore[attr-defined]
+        if found is None and (trigger, self.phase) not in _VALID:
             raise TransitionRejected(trigger, self.phase,
                                      f"{trigger} is not valid in phase {self.phase.value}")
         return found
@@ -402,7 +406,7 @@ class LifecycleController:
 
     async def _move_all(self, trigger: str) -> OccupationResult:
         source = self.phase
-        before = self.report().device_bytes
+        before = self._device_bytes()
         t0 = time.perf_counter()
         if trigger == "sleep":
             self._resync_structure()
@@ -428,7 +432,7 @@ class LifecycleController:
         if trigger == "sleep":
             self._layer.empty_cache()
         seconds = time.perf_counter() - t0
-        after = self.report().device_bytes
+        after = self._device_bytes()
         self._summary(trigger, source, copied, seconds, released=max(0, before - after))
         return OccupationResult(True, self.phase is Phase.SLEEPING, f"{trigger} succeeded",
                                 self.phase, copied, max(0, before - after), seconds)

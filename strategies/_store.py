@@ -22,7 +22,7 @@ counter; call :meth:`TensorStore.mark_dirty` after such writes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -92,20 +92,23 @@ class Unit:
     host: torch.Tensor | None = None
     device_buf: torch.Tensor | None = None  # our own device buffer (None: adopted storages)
     mirror_current: bool = False
+    slot_list: list[_Slot] = field(default_factory=list)  # flattened: hot loops use it
 
-    def slots(self) -> Iterator[_Slot]:
-        for s in self.storages:
-            yield from s.slots
+    def __post_init__(self) -> None:
+        self.slot_list = [slot for st in self.storages for slot in st.slots]
+
+    def slots(self) -> list[_Slot]:
+        return self.slot_list
 
     def dirty(self) -> bool:
         """Whether the mirror may differ from the device bytes."""
         if not self.mirror_current:
             return True
-        return any(s.tensor._version != s.version for s in self.slots())
+        return any(s.tensor._version != s.version for s in self.slot_list)
 
     def drifted(self) -> list[str]:
         """Names of tensors re-pointed behind the store's back (``p.data = other``)."""
-        return [s.names[0] for s in self.slots() if s.tensor.data_ptr() != s.ptr]
+        return [s.names[0] for s in self.slot_list if s.tensor.data_ptr() != s.ptr]
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,7 @@ class TensorStore:
             else:
                 self.units += [self._make_unit(st_.slots[0].names[0], [st_]) for st_ in group]
         self.by_key = {u.key: u for u in self.units}
+        self._all_slots = [slot for u in self.units for slot in u.slot_list]
         for u in self.units:
             on_device = all(s.tensor.device == self.layer.device for s in u.slots())
             u.where = "device" if on_device else "host"
@@ -277,7 +281,7 @@ class TensorStore:
             slot.version = -1
 
     def drifted(self) -> list[str]:
-        return [n for u in self.units for n in u.drifted()]
+        return [s.names[0] for s in self._all_slots if s.tensor.data_ptr() != s.ptr]
 
     def mark_dirty(self) -> None:
         """Declare every mirror stale (after writes that bypass the version counter)."""
@@ -331,10 +335,11 @@ class TensorStore:
 
     def point_to_host(self, unit: Unit) -> None:
         """Re-point ``unit``'s tensors at its (current) mirror; the device bytes are dropped."""
-        for slot in unit.slots():
-            assert slot.host_view is not None
-            slot.tensor.data = slot.host_view
-            slot.record()
+        for slot in unit.slot_list:
+            t = slot.tensor
+            t.data = slot.host_view  # type: ignore[assignment]
+            slot.version = t._version
+            slot.ptr = t.data_ptr()
         unit.device_buf = None
         unit.where = "host"
         unit.mirror_current = True
@@ -416,6 +421,10 @@ class TensorStore:
                 for st in unit.storages]
 
     # -- introspection -------------------------------------------------------------
+    @property
+    def device_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units if u.where == "device")
+
     def report(self) -> StoreReport:
         device = sum(u.nbytes for u in self.units if u.where == "device")
         host = sum(u.nbytes for u in self.units if u.host is not None)

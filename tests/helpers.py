@@ -54,7 +54,8 @@ def fingerprint(module: nn.Module) -> str:
     tensors = list(module.named_parameters(remove_duplicate=False))
     tensors += list(module.named_buffers(remove_duplicate=False))
     for name, t in sorted(tensors, key=lambda nt: nt[0]):
-        c = t.detach().to("cpu").contiguous()
+        c = t.detach().to("cpu")
+        c = (c.to_dense() if c.layout != torch.strided else c).contiguous()
         h.update(f"{name}|{c.dtype}|{tuple(c.shape)}".encode())
         h.update(c.view(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b"")
     return h.hexdigest()

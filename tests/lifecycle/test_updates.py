@@ -290,29 +290,34 @@ async def test_update_waits_for_in_flight_uses_and_new_uses_wait_for_it() -> Non
     ctl, pipe = await attached()
     order: list[str] = []
     state = new_state(pipe["transformer"])
+    in_use, release = anyio.Event(), anyio.Event()
 
     async def first_use() -> None:
         async with ctl.use("transformer"):
             order.append("use1 start")
-            await anyio.sleep(0.05)
+            in_use.set()
+            await release.wait()
             order.append("use1 end")
 
     async def update() -> None:
-        await anyio.sleep(0.01)
+        await in_use.wait()
         order.append("update called")
         await ctl.update_weights_from_tensors(state)
         order.append("update done")
 
     async def second_use() -> None:
-        await anyio.sleep(0.02)
+        while ctl.transition is None:  # the update has closed admission
+            await anyio.sleep(0.001)
+        release.set()
         async with ctl.use("transformer") as m:
             order.append(f"use2 sees version {ctl.weights_version}")
             assert torch.equal(m[0].weight, state["0.weight"])
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(first_use)
-        tg.start_soon(update)
-        tg.start_soon(second_use)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first_use)
+            tg.start_soon(update)
+            tg.start_soon(second_use)
     assert order == ["use1 start", "update called", "use1 end", "update done",
                      "use2 sees version 1"]
 

@@ -1,0 +1,258 @@
+"""Sleep/wake throughput: the reference approach, this library, and the bandwidth limit.
+
+    residency bench [--size 1GiB] [--dtype float32|bfloat16]
+        [--device cpu|cuda] [--repeats 5] [--malloc keep|release|default] [--json]
+
+Builds a :class:`~lifecycle.demo.DemoPipeline` of ``--size`` bytes and measures, median over
+``--repeats`` after one warm-up:
+
+* reference: sleep = ``module.to("cpu")`` into fresh host memory, wake = ``module.to(device)``
+  (on a CPU device, where ``.to`` is a no-op, each tensor is copied into a fresh
+  ``empty_like`` and re-pointed, which is what ``.to`` would do);
+* this library: ``ctl.sleep()`` of unchanged weights (clean), ``ctl.sleep()`` after every
+  parameter was bumped in place (dirty: ``p.add_(0)`` outside the timed region), ``ctl.wake()``;
+* the limit: one flat copy of the same bytes into a fresh buffer (CUDA: pinned and pageable,
+  both directions).
+
+The pipeline's output must be bit-identical before and after the cycles (exit 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import torch
+
+from ._controller import LifecycleController
+from ._events import configure_logging
+from .demo import DemoPipeline, parse_size
+
+__all__ = ["main"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# glibc mallopt(M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) per --malloc policy (see set_malloc)
+MALLOC = {"keep": (32 * 2**20, 2**31 - 1), "release": (64 * 2**10, 128 * 2**10)}
+
+
+def set_malloc(policy: str) -> None:
+    """Pin glibc's otherwise adaptive policy, which makes CPU numbers bimodal from run to run.
+
+    ``keep``: freed tensors (up to 32 MiB each) stay in the heap and are reused without page
+    faults, like CUDA's caching allocator. ``release``: every freed tensor goes back to the
+    OS (munmap) and every new one page-faults, like a real release of memory."""
+    if policy == "default":
+        return
+    mmap_threshold, trim_threshold = MALLOC[policy]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(-3, mmap_threshold) and libc.mallopt(-1, trim_threshold)
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        print(f"warning: no glibc mallopt here; --malloc {policy} ignored", file=sys.stderr)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def repoint_copies(pipe: DemoPipeline) -> None:
+    """What ``.to(other_device)`` does, on one device: fresh memory, copy, re-point."""
+    seen: set[int] = set()
+    with torch.no_grad():
+        for module in pipe.modules.values():
+            for t in [*module.parameters(), *module.buffers()]:
+                if id(t) not in seen:  # tied weights once
+                    seen.add(id(t))
+                    fresh = torch.empty_like(t)
+                    fresh.copy_(t)
+                    t.data = fresh
+
+
+def bench_reference(pipe: DemoPipeline, device: torch.device, repeats: int) -> dict[str, float]:
+    def move(to: torch.device) -> None:
+        for module in pipe.modules.values():
+            module.to(to)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if device.type == "cuda":
+        sleep_fn, wake_fn = (lambda: move(torch.device("cpu"))), (lambda: move(device))
+    else:
+        sleep_fn = wake_fn = lambda: repoint_copies(pipe)
+    sleeps, wakes = [], []
+    for i in range(repeats + 1):  # the first cycle is the warm-up
+        s, w = timed(sleep_fn, device), timed(wake_fn, device)
+        if i:
+            sleeps.append(s)
+            wakes.append(w)
+    return {"reference_sleep": statistics.median(sleeps),
+            "reference_wake": statistics.median(wakes)}
+
+
+def bench_flat(n: int, device: torch.device, repeats: int) -> dict[str, float]:
+    def median_of(fn: Callable[[], Any]) -> float:
+        return statistics.median([timed(fn, device) for _ in range(repeats + 1)][1:])
+
+    if device.type != "cuda":
+        src = torch.ones(n, dtype=torch.uint8)
+        warm = torch.empty(n, dtype=torch.uint8)
+        # fresh: page faults included, as a fresh allocation pays them; warm: a destination
+        # already faulted in, the memory-bandwidth limit.
+        return {"flat_copy": median_of(lambda: torch.empty(n, dtype=torch.uint8).copy_(src)),
+                "flat_copy_warm": median_of(lambda: warm.copy_(src))}
+    pinned = torch.ones(n, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.ones(n, dtype=torch.uint8)
+    on_device = torch.ones(n, dtype=torch.uint8, device=device)
+
+    def h2d(src: torch.Tensor) -> Callable[[], Any]:
+        return lambda: torch.empty(n, dtype=torch.uint8, device=device).copy_(
+            src, non_blocking=src.is_pinned())
+
+    return {"flat_h2d_pinned": median_of(h2d(pinned)),
+            "flat_d2h_pinned": median_of(lambda: pinned.copy_(on_device, non_blocking=True)),
+            "flat_h2d_pageable": median_of(h2d(pageable)),
+            "flat_d2h_pageable": median_of(
+                lambda: torch.empty(n, dtype=torch.uint8).copy_(on_device))}
+
+
+async def bench_library(pipe: DemoPipeline, device: torch.device, repeats: int,
+                        expected: torch.Tensor) -> tuple[dict[str, float], dict[str, int], bool]:
+    ctl = LifecycleController(device)
+    await ctl.attach(pipe)
+    layer = ctl.device_layer
+
+    times: dict[str, list[float]] = {"ours_sleep_clean": [], "ours_sleep_dirty": [],
+                                     "ours_wake": []}
+    moved: dict[str, int] = {}
+
+    async def timed_op(key: str, op: Callable[[], Any]) -> None:
+        layer.synchronize()
+        t0 = time.perf_counter()
+        result = await op()
+        layer.synchronize()
+        times[key].append(time.perf_counter() - t0)
+        moved[key] = result.bytes_moved
+        if not result.success:
+            raise RuntimeError(f"{result.message} ({result.phase})")
+
+    await ctl.sleep()  # warm-up: allocates the host mirrors and fills them
+    await ctl.wake()
+    for _ in range(repeats):
+        await timed_op("ours_sleep_clean", ctl.sleep)
+        await timed_op("ours_wake", ctl.wake)
+        with torch.no_grad():
+            for module in pipe.modules.values():
+                for p in module.parameters():
+                    p.add_(0)  # bumps the version counter: the mirror is now stale
+        await timed_op("ours_sleep_dirty", ctl.sleep)
+        await timed_op("ours_wake", ctl.wake)
+    ok = torch.equal(pipe.forward_sync(), expected) and torch.equal(
+        await pipe.generate(ctl=ctl, steps=2), expected)
+    await ctl.detach()
+    return {k: statistics.median(v) for k, v in times.items()}, moved, ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="residency bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1GiB", help="pipeline weight bytes, e.g. 256MB, 1GiB")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="default: cuda when available")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--malloc", choices=["keep", "release", "default"], default="keep",
+                    help="glibc malloc policy (CPU host memory); see set_malloc")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    args = ap.parse_args(argv)
+    set_malloc(args.malloc)
+    configure_logging(json=True, level="warning")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    t0 = time.perf_counter()
+    pipe = DemoPipeline.build(parse_size(args.size), dtype=DTYPES[args.dtype])
+    build_s = time.perf_counter() - t0
+    n = pipe.nbytes
+    for module in pipe.modules.values():
+        module.to(device)
+    expected = pipe.forward_sync()
+
+    seconds = bench_flat(n, device, args.repeats)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    seconds |= bench_reference(pipe, device, args.repeats)
+    ok_reference = torch.equal(pipe.forward_sync(), expected)
+    ours, moved, ok_ours = anyio.run(bench_library, pipe, device, args.repeats, expected)
+    seconds |= ours
+    moved_bytes = {k: n for k in seconds} | moved
+    gbps = {k: moved_bytes[k] / s / 1e9 for k, s in seconds.items()}
+    gbps["ours_sleep_clean"] = n / seconds["ours_sleep_clean"] / 1e9  # effective
+
+    flat_in = "flat_copy" if device.type == "cpu" else "flat_h2d_pinned"
+    flat_out = "flat_copy" if device.type == "cpu" else "flat_d2h_pinned"
+    ratios = {"reference_sleep/ours_sleep_clean":
+              seconds["reference_sleep"] / seconds["ours_sleep_clean"],
+              "ours_wake/flat_gbps": gbps["ours_wake"] / gbps[flat_in],
+              "ours_sleep_dirty/flat_gbps": gbps["ours_sleep_dirty"] / gbps[flat_out]}
+    if device.type == "cpu":
+        ratios["ours_wake/flat_warm_gbps"] = gbps["ours_wake"] / gbps["flat_copy_warm"]
+        targets = {"clean sleep >= 100x faster than reference sleep":
+                   (ratios["reference_sleep/ours_sleep_clean"], 100.0),
+                   "wake >= 0.7x flat-copy bandwidth": (ratios["ours_wake/flat_gbps"], 0.7),
+                   "wake >= 0.7x warm flat-copy bandwidth (stricter)":
+                   (ratios["ours_wake/flat_warm_gbps"], 0.7)}
+    else:
+        targets = {"wake >= 0.8x pinned h2d bandwidth": (ratios["ours_wake/flat_gbps"], 0.8),
+                   "dirty sleep >= 0.8x pinned d2h bandwidth":
+                   (ratios["ours_sleep_dirty/flat_gbps"], 0.8)}
+    correct = ok_reference and ok_ours
+
+    if args.json:
+        print(json.dumps({
+            "config": {"size": args.size, "nbytes": n, "dtype": args.dtype,
+                       "device": str(device), "repeats": args.repeats, "malloc": args.malloc,
+                       "threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "build_seconds": build_s},
+            "results": {k: {"seconds": s, "bytes": moved_bytes[k], "gbps": gbps[k]}
+                        for k, s in seconds.items()},
+            "ratios": ratios,
+            "targets": {k: {"value": v, "target": t, "pass": v >= t}
+                        for k, (v, t) in targets.items()},
+            "correct": correct}, indent=2))
+    else:
+        print(f"pipeline: {n / 1e9:.3f} GB ({args.dtype}) on {device}, built in {build_s:.2f} s; "
+              f"median of {args.repeats}, {torch.get_num_threads()} torch threads, "
+              f"malloc {args.malloc}")
+        print(f"{'operation':<22}{'seconds':>12}{'bytes moved':>16}{'GB/s':>12}")
+        for k, s in seconds.items():
+            note = " (effective)" if k == "ours_sleep_clean" else ""
+            print(f"{k:<22}{s:>12.6f}{moved_bytes[k]:>16,}{gbps[k]:>12.2f}{note}")
+        for k, v in ratios.items():
+            print(f"{k:<36}{v:>10.2f}")
+        for k, (v, t) in targets.items():
+            print(f"{'PASS' if v >= t else 'FAIL'}  {k} (got {v:.2f})")
+        print(f"{'PASS' if correct else 'FAIL'}  output bit-identical before and after "
+              f"(reference: {ok_reference}, library: {ok_ours})")
+    return 0 if correct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

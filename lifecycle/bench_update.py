@@ -1,0 +1,312 @@
+"""Weight-update throughput: this library, the reference approach, and the bandwidth limit.
+
+    residency bench-update [--size 1GiB] [--dtype float32|bfloat16] [--device cpu|cuda]
+        [--repeats 3] [--malloc keep|release|default]
+        [--mode resident|component-offload|layerwise-offload] [--json]
+
+Builds a :class:`~lifecycle.demo.DemoPipeline` of ``--size`` bytes, attaches it to a
+``LifecycleController`` (``--mode`` is the transformer's residency; the other components
+are resident) and measures, median over ``--repeats`` after one warm-up round, every write
+with different values (``base + k * 1e-3``, prepared outside the timed region):
+
+* ours from tensors: ``ctl.update_weights_from_tensors(state, target_module=c)`` for every
+  component ``c`` (one call each, summed);
+* ours from disk: ``ctl.update_weights_from_disk(ckpt)`` of a checkpoint in the reference
+  layout ``<ckpt>/<component>/model.safetensors`` (tied weights once), written and synced
+  outside the timed region: the OS page cache is warm, so this measures the load path, not
+  the disk;
+* the reference: ``module.load_state_dict(state)`` per component (from tensors), and
+  ``safetensors.torch.load_file`` + ``load_state_dict`` per component (from disk): what the
+  reference does, without validation, backup or rollback;
+* the limit: one flat copy of the same bytes (uint8) into an existing destination (warm)
+  and into a fresh one, on the device.
+
+Correctness is checked in the run: after every write our pipeline's tensors must equal
+those of an identical pipeline that loaded the same values with ``load_state_dict``, and at
+the end ``ctl.weights_checksum()`` must equal that of a separate resident controller attached
+to the reference pipeline (exit 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import safetensors.torch
+import torch
+from torch import nn
+
+from ._controller import LifecycleController
+from ._events import configure_logging
+from .bench import DTYPES, bench_flat, set_malloc, sync, timed
+from .demo import DemoPipeline, parse_size
+
+__all__ = ["main"]
+
+MODES = ("resident", "component-offload", "layerwise-offload")
+STEP = 1e-3  # write k adds k * STEP to the base weights: every write is different
+State = dict[str, dict[str, torch.Tensor]]  # component -> name -> tensor
+
+
+def unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with each storage once (tied weights under their first name),
+    as a checkpoint holds them."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in module.state_dict().items():
+        key = (t.data_ptr(), t.nbytes)
+        if key not in seen:
+            seen.add(key)
+            out[name] = t
+    return out
+
+
+def state_bytes(state: State) -> int:
+    return sum(t.nbytes for sd in state.values() for t in sd.values())
+
+
+def make_state(base: State, k: int) -> State:
+    """Fresh tensors holding ``base + k * STEP`` (floating point; others copied)."""
+    with torch.no_grad():
+        return {c: {n: (t + k * STEP).to(t.dtype) if t.is_floating_point() else t.clone()
+                    for n, t in sd.items()}
+                for c, sd in base.items()}
+
+
+def write_checkpoint(state: State, root: Path) -> None:
+    """The reference layout: ``<root>/<component>/model.safetensors``; synced to disk so that
+    no writeback runs during the timed load (the page cache stays warm)."""
+    for comp, sd in state.items():
+        (root / comp).mkdir(parents=True)
+        safetensors.torch.save_file({n: t.detach().to("cpu").contiguous() for n, t in sd.items()},
+                                    str(root / comp / "model.safetensors"))
+    os.sync()
+
+
+def load_reference(pipe: DemoPipeline, state: State) -> None:
+    """The reference approach from tensors: ``load_state_dict`` per component."""
+    for comp, sd in state.items():
+        res = pipe.modules[comp].load_state_dict(sd, strict=False)
+        if res.unexpected_keys:
+            raise RuntimeError(f"{comp}: unexpected keys {res.unexpected_keys[:8]}")
+
+
+def load_reference_disk(pipe: DemoPipeline, root: Path) -> None:
+    """The reference approach from disk: ``load_file`` + ``load_state_dict`` per component."""
+    for comp in pipe.modules:
+        for file in sorted((root / comp).glob("*.safetensors")):
+            sd = safetensors.torch.load_file(str(file), device="cpu")
+            res = pipe.modules[comp].load_state_dict(sd, strict=False)
+            if res.unexpected_keys:
+                raise RuntimeError(f"{file}: unexpected keys {res.unexpected_keys[:8]}")
+
+
+def same_weights(pipe: DemoPipeline, ref: DemoPipeline) -> list[str]:
+    """Names of tensors whose values differ between the two pipelines (wherever they live)."""
+    bad = []
+    for comp, module in ref.modules.items():
+        ours = pipe.modules[comp].state_dict()
+        for name, t in module.state_dict().items():
+            if not torch.equal(ours[name].detach().to("cpu"), t.detach().to("cpu")):
+                bad.append(f"{comp}.{name}")
+    return bad
+
+
+def bench_flat_local(n: int, device: torch.device, repeats: int) -> dict[str, float]:
+    """One flat uint8 copy of ``n`` bytes on ``device``: into a warm destination and into a
+    fresh one (which pays page faults on the CPU, allocator work on CUDA)."""
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    warm = torch.empty(n, dtype=torch.uint8, device=device)
+
+    def median_of(fn: Callable[[], Any]) -> float:
+        return statistics.median([timed(fn, device) for _ in range(repeats + 1)][1:])
+
+    out = {"flat_copy_warm": median_of(lambda: warm.copy_(src)),
+           "flat_copy_fresh": median_of(
+               lambda: torch.empty(n, dtype=torch.uint8, device=device).copy_(src))}
+    if device.type == "cuda":  # the host<->device limits too (disk loads come from the host)
+        src = warm = torch.empty(0, dtype=torch.uint8)
+        torch.cuda.empty_cache()
+        out |= {k: v for k, v in bench_flat(n, device, repeats).items() if "pinned" in k}
+        torch.cuda.empty_cache()
+    return out
+
+
+async def bench_updates(args: argparse.Namespace, device: torch.device
+                        ) -> tuple[dict[str, list[float]], int, dict[str, Any]]:
+    size = parse_size(args.size)
+    dtype = DTYPES[args.dtype]
+    pipe = DemoPipeline.build(size, dtype=dtype)
+    ref = DemoPipeline.build(size, dtype=dtype)
+    with torch.no_grad():
+        base: State = {c: {n: t.detach().to(device, copy=True) for n, t in unique_state(m).items()}
+                       for c, m in ref.modules.items()}
+    n = state_bytes(base)
+
+    ctl = LifecycleController(device, residency={"transformer": args.mode})
+    ref_ctl = LifecycleController(device, residency="all=resident")
+    await ctl.attach(pipe)
+    await ref_ctl.attach(ref)
+    layer = ctl.device_layer
+    tmp = Path(tempfile.mkdtemp(prefix="residency-bench-update-"))
+    times: dict[str, list[float]] = {"ours_from_tensors": [], "reference_from_tensors": [],
+                                     "ours_from_disk": [], "reference_from_disk": []}
+    info: dict[str, Any] = {"mismatches": [], "updates": 0, "checksums_equal": None,
+                            "bytes_reported": {}}
+
+    async def timed_async(key: str, op: Callable[[], Awaitable[int]], record: bool) -> None:
+        layer.synchronize()
+        sync(device)
+        t0 = time.perf_counter()
+        written = await op()
+        layer.synchronize()
+        sync(device)
+        if record:
+            times[key].append(time.perf_counter() - t0)
+        info["bytes_reported"][key] = written
+
+    async def ours_tensors(state: State) -> int:
+        written = 0
+        for comp, sd in state.items():
+            res = await ctl.update_weights_from_tensors(sd, target_module=comp)
+            if not res.success:
+                raise RuntimeError(f"update_weights_from_tensors({comp!r}): {res.message}")
+            written += res.bytes_written
+            info["updates"] += 1
+        return written
+
+    async def ours_disk(root: Path) -> int:
+        res = await ctl.update_weights_from_disk(root)
+        if not res.success:
+            raise RuntimeError(f"update_weights_from_disk: {res.message}")
+        info["updates"] += 1
+        return res.bytes_written
+
+    def check(after: str) -> None:
+        bad = same_weights(pipe, ref)
+        if bad:
+            info["mismatches"].append(f"after {after}: {len(bad)} tensor(s) differ, "
+                                      f"e.g. {bad[:4]}")
+
+    k = 0
+    try:
+        for r in range(args.repeats + 1):  # round 0 is the warm-up
+            record = r > 0
+            k += 1
+            state = make_state(base, k)
+            await timed_async("ours_from_tensors", functools.partial(ours_tensors, state), record)
+            t = timed(functools.partial(load_reference, ref, state), device)
+            if record:
+                times["reference_from_tensors"].append(t)
+            del state
+            check(f"round {r} from tensors")
+            k += 1
+            ckpt = tmp / f"round{r}"
+            write_checkpoint(make_state(base, k), ckpt)
+            await timed_async("ours_from_disk", functools.partial(ours_disk, ckpt), record)
+            t = timed(functools.partial(load_reference_disk, ref, ckpt), device)
+            if record:
+                times["reference_from_disk"].append(t)
+            shutil.rmtree(ckpt)
+            check(f"round {r} from disk")
+        t0 = time.perf_counter()
+        ours_sum = ctl.weights_checksum()
+        info["checksum_seconds"] = time.perf_counter() - t0
+        info["checksums_equal"] = ours_sum == ref_ctl.weights_checksum()
+        info["version"] = ctl.weights_version
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        await ctl.detach()
+        await ref_ctl.detach()
+    return times, n, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="residency bench-update",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1GiB", help="pipeline weight bytes, e.g. 256MB, 1GiB")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="default: cuda when available")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--malloc", choices=["keep", "release", "default"], default="keep",
+                    help="glibc malloc policy (CPU host memory); see lifecycle.bench.set_malloc")
+    ap.add_argument("--mode", choices=MODES, default="resident",
+                    help="residency of the transformer (other components: resident)")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    set_malloc(args.malloc)
+    configure_logging(json=True, level="warning")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    t0 = time.perf_counter()
+    samples, n, info = anyio.run(bench_updates, args, device)
+    total_s = time.perf_counter() - t0
+    seconds = {k: statistics.median(v) for k, v in samples.items()}
+    seconds |= bench_flat_local(n, device, args.repeats)
+    gbps = {k: n / s / 1e9 for k, s in seconds.items()}
+    warm = gbps["flat_copy_warm"]
+    ratios = {"ours/reference from tensors (throughput)":
+              gbps["ours_from_tensors"] / gbps["reference_from_tensors"],
+              "ours/reference from disk (throughput)":
+              gbps["ours_from_disk"] / gbps["reference_from_disk"]}
+    expected_updates = (args.repeats + 1) * 4  # 3 components from tensors + 1 from disk
+    correct = (not info["mismatches"] and info["checksums_equal"] is True
+               and info["version"] == expected_updates == info["updates"]
+               and all(b == n for b in info["bytes_reported"].values()
+                       if isinstance(b, int) and b))
+    note = ("from disk: checkpoint written and synced outside the timed region; the OS page "
+            "cache is warm, so the disk itself is not measured")
+
+    if args.json:
+        print(json.dumps({
+            "config": {"size": args.size, "nbytes": n, "dtype": args.dtype,
+                       "device": str(device), "mode": args.mode, "repeats": args.repeats,
+                       "malloc": args.malloc, "threads": torch.get_num_threads(),
+                       "torch": torch.__version__, "total_seconds": total_s},
+            "results": {k: {"seconds": s, "bytes": n, "gbps": gbps[k], "x_flat_warm": gbps[k] / warm,
+                            "samples": samples.get(k)}
+                        for k, s in seconds.items()},
+            "ratios": ratios,
+            "checks": {"mismatches": info["mismatches"], "checksums_equal": info["checksums_equal"],
+                       "weights_version": info["version"], "updates": info["updates"],
+                       "bytes_reported": info["bytes_reported"],
+                       "checksum_seconds": info["checksum_seconds"]},
+            "note": note,
+            "correct": correct}, indent=2))
+    else:
+        print(f"update of {n / 1e9:.3f} GB ({args.dtype}) on {device}, transformer "
+              f"{args.mode}; median of {args.repeats} after a warm-up, "
+              f"{torch.get_num_threads()} torch threads, malloc {args.malloc}")
+        print(f"{'operation':<26}{'seconds':>10}{'GB/s':>9}{'x warm flat':>13}")
+        for k, s in seconds.items():
+            print(f"{k:<26}{s:>10.4f}{gbps[k]:>9.2f}{gbps[k] / warm:>13.2f}")
+        for k, v in ratios.items():
+            print(f"{k:<44}{v:>8.2f}")
+        print(f"note: {note}")
+        print(f"weights_checksum() of every component: {info['checksum_seconds']:.2f} s")
+        print(f"{'PASS' if correct else 'FAIL'}  our weights equal the reference's after every "
+              f"write, checksums equal ({info['checksums_equal']}), version "
+              f"{info['version']} after {info['updates']} updates")
+        for m in info["mismatches"]:
+            print(f"  {m}")
+    return 0 if correct else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
