@@ -139,12 +139,15 @@ class LifecycleController:
                  residency: ResidencyConfig | str | Mapping[str, str] | list[str] | None = None,
                  drain_timeout: float | None = 30.0, admission_timeout: float | None = None,
                  auto_wake: bool = False, prefetch_components: bool = True,
+                 progress: Callable[[str, int, int], None] | None = None,
                  device_layer: DeviceLayer | None = None) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
         self.use_fsdp_inference = use_fsdp_inference
         self.rank = rank
         self.config = ResidencyConfig.parse(residency)
         self.auto_wake = auto_wake
+        # Told (trigger, bytes copied so far, bytes to copy) during sleep and wake.
+        self.progress = progress
         self.prefetch_components = prefetch_components
         self._admission = Admission(drain_timeout, admission_timeout)
         self._fsm_model = _PhaseModel()
@@ -411,15 +414,27 @@ class LifecycleController:
         if trigger == "sleep":
             self._resync_structure()
 
+        plan = [(c, c.strategy.store.select("device") if trigger == "sleep" else
+                 [u for u in c.strategy.awake_units() if u.where == "host"])
+                for c in self._components.values()]
+        total = 0 if self.progress is None else sum(
+            u.nbytes for _, units in plan for u in units if trigger == "wake" or u.dirty())
+        done = 0
+
+        def progress(nbytes: int) -> None:
+            nonlocal done
+            done += nbytes
+            if self.progress is not None:
+                self.progress(trigger, done, total)
+
         async def prepare(moves: list[Move]) -> None:
-            for c in self._components.values():
+            for c, units in plan:
                 store = c.strategy.store
                 m0 = time.perf_counter()
                 if trigger == "sleep":
-                    move = await store.prepare_to_host(store.select("device"))
+                    move = await store.prepare_to_host(units, progress=progress)
                 else:
-                    move = await store.prepare_to_device(
-                        [u for u in c.strategy.awake_units() if u.where == "host"])
+                    move = await store.prepare_to_device(units, progress=progress)
                 moves.append(move)
                 self._move_event(c.name, move, time.perf_counter() - m0)
 

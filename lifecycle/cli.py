@@ -9,12 +9,21 @@ import argparse
 import json
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from ._events import configure_logging
@@ -57,16 +66,29 @@ def _drill(args: argparse.Namespace) -> int:
         return 2
     configure_logging(json=args.log_json, level="info" if args.log_json else "warning")
     err = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=args.json) as progress:
-        task = progress.add_task("starting", total=None)
+        steps = progress.add_task("starting", total=None)
+        move = progress.add_task("move", total=None, visible=False)
+        step_started = time.monotonic()
 
         def on_step(o: StepOutcome) -> None:
-            progress.update(task, description=f"{o.index} {o.step}: {o.message[:50]}")
+            nonlocal step_started
+            step_started = time.monotonic()
+            progress.update(steps, description=f"{o.index} {o.step}: {o.message[:50]}")
+            progress.update(move, visible=False)
+
+        def on_progress(trigger: str, done: int, total: int) -> None:
+            # A bar only for moves that take longer than a second.
+            visible = time.monotonic() - step_started > 1.0
+            progress.update(move, description=trigger, completed=done, total=total,
+                            visible=visible)
 
         try:
             report = anyio.run(lambda: run_drill(scenario, device=args.device, size=args.size,
-                                                 residency=args.residency, on_step=on_step))
+                                                 residency=args.residency, on_step=on_step,
+                                                 on_progress=on_progress))
         except ValueError as exc:  # bad residency string, device or size
             print(f"residency drill: {exc}", file=sys.stderr)
             return 2

@@ -398,13 +398,17 @@ class _Cancelled(Exception):
 
 async def run_drill(scenario: Scenario, *, device: str | None = None, size: str | None = None,
                     residency: str | None = None, seed: int = 0,
-                    on_step: Callable[[StepOutcome], None] | None = None) -> DrillReport:
-    """Build the demo pipeline and run ``scenario`` against a fresh controller."""
+                    on_step: Callable[[StepOutcome], None] | None = None,
+                    on_progress: Callable[[str, int, int], None] | None = None) -> DrillReport:
+    """Build the demo pipeline and run ``scenario`` against a fresh controller.
+
+    ``on_step`` is told each step's outcome; ``on_progress`` the bytes of moves in flight."""
     size_bytes = parse_size(size or scenario.size or "64MB")
     pipe = DemoPipeline.build(size_bytes, seed=seed)
     # The drill's own device layer, so that fail_next steps inject real faults.
     layer = faulty_device_layer(device)
-    ctl = LifecycleController(device_layer=layer, residency=residency or scenario.residency)
+    ctl = LifecycleController(device_layer=layer, residency=residency or scenario.residency,
+                              progress=on_progress)
     report = DrillReport(scenario.name, str(ctl.device), pipe.nbytes)
     await _Runner(ctl, pipe, layer, report, on_step).run(scenario)
     return report

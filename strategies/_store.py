@@ -30,9 +30,12 @@ from torch import nn
 
 from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
 
-__all__ = ["ALIGN", "Fetch", "Move", "StoreError", "StoreReport", "TensorStore", "Unit"]
+__all__ = ["ALIGN", "CHUNK", "Fetch", "Move", "Progress", "StoreError", "StoreReport",
+           "TensorStore", "Unit"]
 
 ALIGN = 64  # byte alignment of every storage inside a unit buffer (keeps dtype views legal)
+CHUNK = 256 * 2**20  # bytes per copy batch: progress and cancellation points in between
+Progress = Callable[[int], None]  # told the bytes of each copied chunk
 
 
 class StoreError(ValueError):
@@ -351,7 +354,25 @@ class TensorStore:
         units = self.units if keys is None else [self.by_key[k] for k in keys]
         return [u for u in units if u.where == where and (pred is None or pred(u))]
 
-    async def prepare_to_device(self, units: Sequence[Unit]) -> Move:
+    async def _copy(self, pairs: list[CopyPair], to: Tier, progress: Progress | None) -> None:
+        """Copy in chunks of about :data:`CHUNK` bytes, telling ``progress`` after each (a
+        progress bar, and a cancellation point between chunks)."""
+        chunk: list[CopyPair] = []
+        size = 0
+        for pair in pairs:
+            chunk.append(pair)
+            size += pair[0].nbytes
+            if size >= CHUNK:
+                await self.layer.copy(chunk, to)
+                if progress:
+                    progress(size)
+                chunk, size = [], 0
+        await self.layer.copy(chunk, to)
+        if progress and size:
+            progress(size)
+
+    async def prepare_to_device(self, units: Sequence[Unit],
+                                progress: Progress | None = None) -> Move:
         """Allocate device buffers for ``units`` (on the host) and copy their mirrors in."""
         move = Move(self, "device", list(units))
         pairs: list[CopyPair] = []
@@ -361,14 +382,15 @@ class TensorStore:
                 buf = self.layer.alloc(unit.nbytes, "device")
                 move.buffers.append(buf)
                 pairs.append((buf, unit.host))
-            await self.layer.copy(pairs, "device")
+            await self._copy(pairs, "device", progress)
         except BaseException:
             move.rollback()
             raise
         move.bytes_copied = sum(u.nbytes for u in move.units)
         return move
 
-    async def prepare_to_host(self, units: Sequence[Unit], copy_back: bool = True) -> Move:
+    async def prepare_to_host(self, units: Sequence[Unit], copy_back: bool = True,
+                              progress: Progress | None = None) -> Move:
         """Bring ``units``' mirrors up to date (copying only dirty units, and only if
         ``copy_back``); the device bytes are released at commit."""
         move = Move(self, "host", list(units))
@@ -384,7 +406,7 @@ class TensorStore:
                 elif not copy_back and not unit.mirror_current:
                     raise StoreError(f"unit {unit.key!r} of component {self.name!r} has no "
                                      "current host copy to fall back to")
-            await self.layer.copy(pairs, "host")
+            await self._copy(pairs, "host", progress)
         except BaseException:
             move.rollback()
             raise
