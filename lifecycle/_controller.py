@@ -10,14 +10,12 @@ trigger on the ``transitions`` machine; log one summary event.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import itertools
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import MappingProxyType
 from typing import Any
 
@@ -54,7 +52,7 @@ from ._errors import (
     WeightUpdateWhileSleeping,
 )
 from ._events import get_logger
-from ._phase import NOT_INITIALIZED, REFUSALS, TRANSITIONS, Phase, Refusal
+from ._phase import REFUSALS, TRANSITIONS, Phase, Refusal
 from ._pipeline import components_of
 from ._results import ComponentPlacement, OccupationResult, PlacementReport, UpdateResult
 from ._updates import (
@@ -65,47 +63,13 @@ from ._updates import (
     plan_from_disk,
     plan_from_tensors,
 )
+from ._uses import Component, Uses
 
 __all__ = ["LifecycleController"]
 
 _log = get_logger("lifecycle")
 _ids = itertools.count(1)
 _VALID = frozenset((t.trigger, t.source) for t in TRANSITIONS)
-
-
-@dataclass(eq=False)
-class _Prefetch:
-    """A component's use-placement prepared ahead of its ``use()`` within a request."""
-
-    lease: int
-    scope: anyio.CancelScope | None = None
-    started: bool = False  # prepare_use was called: dropping it needs finish_use
-    ready: bool = False  # prepared successfully: use() commits ``move``
-    move: Move | None = None
-
-
-@dataclass(eq=False)
-class _Component:
-    name: str
-    module: nn.Module
-    strategy: ResidencyStrategy
-    guard: ComputeGuard | None = None
-    users: int = 0
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
-    fsdp: bool = False
-    prefetch: _Prefetch | None = None
-
-
-@dataclass(eq=False)
-class _Request:
-    order: tuple[str, ...]
-    tg: anyio.abc.TaskGroup
-    position: int = -1
-    started: set[str] = field(default_factory=set)
-
-
-_request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
-    "residency_request", default=None)
 
 
 class _PhaseModel:
@@ -145,17 +109,18 @@ class LifecycleController:
         self.use_fsdp_inference = use_fsdp_inference
         self.rank = rank
         self.config = ResidencyConfig.parse(residency)
-        self.auto_wake = auto_wake
         # Told (trigger, bytes copied so far, bytes to copy) during sleep and wake.
         self.progress = progress
-        self.prefetch_components = prefetch_components
         self._admission = Admission(drain_timeout, admission_timeout)
         self._fsm_model = _PhaseModel()
         self._fsm = _build_machine(self._fsm_model)
         self._lock = anyio.Lock()
-        self._components: dict[str, _Component] = {}
+        self._uses = Uses(self._admission, self._layer, lambda: self.phase, self.wake, rank)
+        self._uses.auto_wake = auto_wake
+        self._uses.prefetch_components = prefetch_components
         self._transition: str | None = None
         self._version = 0
+        self._enabled: list[nn.Module] = []  # modules attach() made layerwise-capable
 
     # -- introspection -----------------------------------------------------------------
     @property
@@ -182,7 +147,7 @@ class LifecycleController:
 
     @property
     def components(self) -> Mapping[str, nn.Module]:
-        return MappingProxyType({n: c.module for n, c in self._components.items()})
+        return MappingProxyType({n: c.module for n, c in self._uses.components.items()})
 
     def strategy(self, name: str) -> ResidencyStrategy:
         return self._component(name).strategy
@@ -190,27 +155,23 @@ class LifecycleController:
     def report(self) -> PlacementReport:
         """Where every component's bytes are right now."""
         comps = {}
-        for name, c in self._components.items():
+        for name, c in self._uses.components.items():
             r = c.strategy.store.report()
             comps[name] = ComponentPlacement(c.strategy.mode.value, r.device_bytes, r.host_bytes,
                                              r.pinned_bytes, c.strategy.store.nbytes)
         return PlacementReport(self.phase, MappingProxyType(comps), self._layer.memory_allocated())
 
     def _device_bytes(self) -> int:
-        return sum(c.strategy.store.device_bytes for c in self._components.values())
+        return sum(c.strategy.store.device_bytes for c in self._uses.components.values())
 
     def mark_dirty(self, components: list[str] | None = None) -> None:
         """Declare host mirrors stale after writes through ``param.data`` (which bypass
         torch's version counter): the next sleep copies those components again."""
-        for name in components or list(self._components):
+        for name in components or list(self._uses.components):
             self._component(name).strategy.store.mark_dirty()
 
-    def _component(self, name: str) -> _Component:
-        try:
-            return self._components[name]
-        except KeyError:
-            raise KeyError(f"no component {name!r}; components: {sorted(self._components)}") \
-                from None
+    def _component(self, name: str) -> Component:
+        return self._uses.component(name)
 
     # -- the road every transition travels ---------------------------------------------
     def _refusal(self, trigger: str) -> tuple[Refusal, str] | None:
@@ -219,7 +180,7 @@ class LifecycleController:
         if found and found[0] is Refusal.NOOP:
             return found
         if trigger in ("sleep", "wake") and (
-                self.use_fsdp_inference or any(c.fsdp for c in self._components.values())):
+                self.use_fsdp_inference or any(c.fsdp for c in self._uses.components.values())):
             raise FSDPInferenceUnsupported(trigger, self.phase)
         if found and found[0] is Refusal.REJECT:
             if trigger == "begin_update":
@@ -257,7 +218,7 @@ class LifecycleController:
         phase = self.phase
         if phase is Phase.SLEEPING:
             raise ComponentAsleep(name)
-        strategy = self._components[name].strategy
+        strategy = self._uses.components[name].strategy
         if phase is not Phase.UNINITIALIZED and not strategy.ready():
             raise ComponentNotPlaced(name, strategy.mode.value)
 
@@ -284,7 +245,7 @@ class LifecycleController:
                     raise
                 finally:
                     self._transition = None
-                self._components = components
+                self._uses.components, self._enabled = components, enabled
                 for c in components.values():
                     check = functools.partial(self._check_forward, c.name)
                     c.strategy.forward_check = check
@@ -294,12 +255,12 @@ class LifecycleController:
             return self.phase
 
     def _build(self, found: dict[str, nn.Module]
-               ) -> tuple[dict[str, _Component], list[nn.Module]]:
+               ) -> tuple[dict[str, Component], list[nn.Module]]:
         """Strategies for every component, enabling layerwise offload where it is configured
         and possible; on any refusal nothing is left changed. Returns the components and
         the modules layerwise offload was enabled on."""
         enabled: list[nn.Module] = []
-        components: dict[str, _Component] = {}
+        components: dict[str, Component] = {}
         try:
             for name, module in found.items():
                 if self.config.mode_for(name) is ResidencyMode.LAYERWISE_OFFLOAD \
@@ -308,7 +269,7 @@ class LifecycleController:
                         enable_layerwise_offload(module)
                         enabled.append(module)
             for name, module in found.items():
-                components[name] = _Component(
+                components[name] = Component(
                     name, module, build_strategy(name, module, self.config, self._layer),
                     fsdp=is_fsdp_managed(module))
         except BaseException:
@@ -317,14 +278,14 @@ class LifecycleController:
         return components, enabled
 
     @staticmethod
-    def _abandon(components: Iterable[_Component], enabled: list[nn.Module]) -> None:
+    def _abandon(components: Iterable[Component], enabled: list[nn.Module]) -> None:
         """Undo a refused or failed attach: hooks removed, layerwise marks taken back."""
         for c in components:
             c.strategy.close()
         for module in enabled:
             disable_layerwise_offload(module)
 
-    async def _place(self, components: dict[str, _Component]) -> int:
+    async def _place(self, components: dict[str, Component]) -> int:
         """Move every component to its awake placement (adopting host-loaded tensors)."""
         adopted = 0
         for c in components.values():
@@ -350,17 +311,17 @@ class LifecycleController:
             t0 = time.perf_counter()
 
             async def prepare(moves: list[Move]) -> None:
-                for c in self._components.values():
+                for c in self._uses.components.values():
                     store = c.strategy.store
                     moves.append(await store.prepare_to_host(store.select("device")))
 
             async with self._gate("detach"):
                 copied = await self._transact("detach", prepare)
-            for c in self._components.values():
+            for c in self._uses.components.values():
                 if c.guard:
                     c.guard.remove()
-                c.strategy.close()
-            self._components = {}
+            self._abandon(self._uses.components.values(), self._enabled)
+            self._uses.components, self._enabled = {}, []
             self._commit_phase("detach")
             self._layer.empty_cache()
             self._summary("detach", source, copied, time.perf_counter() - t0)
@@ -402,8 +363,9 @@ class LifecycleController:
     @asynccontextmanager
     async def _gate(self, trigger: str) -> AsyncIterator[None]:
         """Close admission, drop unused prefetches, drain leases; reopen afterwards."""
-        async with self._admission.closed(trigger, lambda: self.phase, self._stop_prefetches):
-            for c in self._components.values():
+        async with self._admission.closed(trigger, lambda: self.phase,
+                                          self._uses.stop_prefetches):
+            for c in self._uses.components.values():
                 c.strategy.quiesce()
             yield
 
@@ -416,7 +378,7 @@ class LifecycleController:
 
         plan = [(c, c.strategy.store.select("device") if trigger == "sleep" else
                  [u for u in c.strategy.awake_units() if u.where == "host"])
-                for c in self._components.values()]
+                for c in self._uses.components.values()]
         total = 0 if self.progress is None else sum(
             u.nbytes for _, units in plan for u in units if trigger == "wake" or u.dirty())
         done = 0
@@ -454,7 +416,7 @@ class LifecycleController:
 
     def _resync_structure(self) -> None:
         """Re-inventory components whose tensors were replaced behind our back."""
-        for c in self._components.values():
+        for c in self._uses.components.values():
             store = c.strategy.store
             if store.structure_changed(deep=False) or store.drifted():
                 _log.warning("store.rescan", component=c.name,
@@ -485,7 +447,7 @@ class LifecycleController:
         """SHA-256 per component over its tensors in name order (name, dtype, shape, bytes),
         read from wherever the bytes are; identical weights give identical sums whatever
         their placement."""
-        names = list(self._components) if components is None else list(components)
+        names = list(self._uses.components) if components is None else list(components)
         return {n: checksum(self._component(n).strategy.store) for n in names}
 
     async def update_weights_from_disk(self, model_path: str | os.PathLike[str],
@@ -506,7 +468,7 @@ class LifecycleController:
                                   lambda: plan_from_tensors(stores, named_tensors, target_module))
 
     def _stores(self) -> dict[str, Any]:
-        return {n: c.strategy.store for n, c in self._components.items()}
+        return {n: c.strategy.store for n, c in self._uses.components.items()}
 
     async def _update(self, kind: str, make_plan: Callable[[], UpdatePlan]) -> UpdateResult:
         async with self._lock:
@@ -551,154 +513,24 @@ class LifecycleController:
                             self._version, plan.components, written, seconds)
 
     # -- uses ------------------------------------------------------------------------
-    @asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[nn.Module]:
+    @property
+    def auto_wake(self) -> bool:
+        """Whether a ``use()`` while sleeping wakes the pipeline (once for many callers)."""
+        return self._uses.auto_wake
+
+    @auto_wake.setter
+    def auto_wake(self, value: bool) -> None:
+        self._uses.auto_wake = value
+
+    def use(self, name: str) -> AbstractAsyncContextManager[nn.Module]:
         """Hold a lease on component ``name`` and place it for use per its strategy.
 
         Waits while a transition is in progress (at most ``admission_timeout``); while the
         pipeline sleeps raises :class:`ComponentAsleep`, or wakes it first with
         ``auto_wake=True``. The lease is returned on every exit path."""
-        await self._admit(name)
-        c = self._component(name)
-        lease = self._admission.take(name)
-        try:
-            await self._acquire(c)
-            try:
-                self._prefetch_next(name)
-                yield c.module
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self._release(c)
-        finally:
-            self._admission.give(lease)
+        return self._uses.use(name)
 
-    async def _admit(self, name: str) -> None:
-        while True:
-            await self._admission.wait_open(name)
-            if self.phase is Phase.SLEEPING:
-                if not self.auto_wake:
-                    raise ComponentAsleep(name)
-                await self.wake()
-                continue
-            if self.phase is Phase.UNINITIALIZED:
-                raise TransitionRejected("use", self.phase, NOT_INITIALIZED)
-            if self._admission.closed_by is None:
-                return
-
-    async def _acquire(self, c: _Component) -> None:
-        async with c.lock:
-            c.users += 1
-            if c.users > 1:
-                return
-            try:
-                pf = c.prefetch
-                if pf is not None and pf.ready:
-                    c.prefetch = None
-                    self._admission.give(pf.lease)
-                    move = pf.move
-                else:
-                    move = await c.strategy.prepare_use()
-                if move is not None:
-                    move.commit()
-            except BaseException as exc:
-                c.users -= 1
-                with anyio.CancelScope(shield=True):
-                    await c.strategy.finish_use()
-                if isinstance(exc, Exception):
-                    raise TransitionFailed("use", self.phase, exc) from exc
-                raise
-
-    async def _release(self, c: _Component) -> None:
-        async with c.lock:
-            c.users -= 1
-            if c.users:
-                return
-            try:
-                await c.strategy.finish_use()
-            except Exception as exc:
-                # The component stays where it is (consistent, mirror not current); the
-                # next sleep copies it. Reported, not raised over the user's own result.
-                _log.warning("use.release_failed", component=c.name,
-                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
-
-    @asynccontextmanager
-    async def request(self, order: Sequence[str]) -> AsyncIterator[None]:
+    def request(self, order: Sequence[str]) -> AbstractAsyncContextManager[None]:
         """Declare this request's use order so the next component's move-in starts while
         the current one runs (``prefetch_components``; on CUDA only when memory allows)."""
-        unknown = [n for n in order if n not in self._components]
-        if unknown:
-            raise KeyError(f"request names unknown components {unknown}; "
-                           f"components: {sorted(self._components)}")
-        async with anyio.create_task_group() as tg:
-            req = _Request(tuple(order), tg)
-            token = _request.set(req)
-            try:
-                yield
-            finally:
-                _request.reset(token)
-                with anyio.CancelScope(shield=True):
-                    for name in req.started:
-                        await self._drop_prefetch(self._components[name])
-
-    def _prefetch_next(self, name: str) -> None:
-        req = _request.get()
-        if req is None or not self.prefetch_components:
-            return
-        try:
-            req.position = req.order.index(name, req.position + 1)
-        except ValueError:
-            return
-        if req.position + 1 >= len(req.order):
-            return
-        nxt = self._components[req.order[req.position + 1]]
-        if nxt.users or nxt.prefetch is not None or nxt is self._components[name]:
-            return
-        need = nxt.strategy.store.report()
-        free = self._layer.free_bytes()
-        if free is not None and free < nxt.strategy.store.nbytes - need.device_bytes:
-            return
-        nxt.prefetch = _Prefetch(self._admission.take(f"{nxt.name} (prefetch)"))
-        req.started.add(nxt.name)
-        req.tg.start_soon(self._run_prefetch, nxt, nxt.prefetch)
-
-    async def _run_prefetch(self, c: _Component, pf: _Prefetch) -> None:
-        with anyio.CancelScope() as pf.scope:
-            try:
-                async with c.lock:
-                    if c.users == 0 and c.prefetch is pf and self.phase is Phase.AWAKE \
-                            and self._admission.closed_by is None:
-                        pf.started = True
-                        pf.move = await c.strategy.prepare_use()
-                        # A copy is not abandoned when cancelled: it completes, so look again.
-                        if not pf.scope.cancel_called and self._admission.closed_by is None:
-                            pf.ready = True
-                            return
-            except Exception as exc:
-                _log.warning("prefetch.failed", component=c.name,
-                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
-        with anyio.CancelScope(shield=True):
-            await self._drop_prefetch(c, pf)
-
-    async def _drop_prefetch(self, c: _Component, pf: _Prefetch | None = None) -> None:
-        """Undo a prefetch that will not be used and return its lease."""
-        pf = pf or c.prefetch
-        if pf is None or c.prefetch is not pf:
-            return
-        c.prefetch = None
-        if pf.move is not None:
-            pf.move.rollback()
-        if pf.started and c.users == 0:
-            await c.strategy.finish_use()
-        self._admission.give(pf.lease)
-
-    async def _stop_prefetches(self) -> None:
-        """Before a drain: drop prepared prefetches, cancel those still copying (their
-        tasks drop them and return the leases)."""
-        for c in self._components.values():
-            pf = c.prefetch
-            if pf is None:
-                continue
-            if pf.ready:
-                await self._drop_prefetch(c)
-            elif pf.scope is not None:
-                pf.scope.cancel()
+        return self._uses.request(order)

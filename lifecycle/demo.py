@@ -26,7 +26,7 @@ import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -379,6 +379,8 @@ def _device_of(module: nn.Module) -> torch.device:
 
 class DemoPipeline:
     """``text_encoder`` -> ``transformer`` (denoising steps) -> ``vae``; see the module doc."""
+
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("text_encoder", "transformer", "vae")
 
     def __init__(self, modules: dict[str, nn.Module], config: DemoConfig) -> None:
         self.modules = modules

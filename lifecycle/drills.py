@@ -23,6 +23,8 @@ from typing import Any
 import anyio
 import torch
 
+from strategies import ResidencyConfig
+
 from ._controller import LifecycleController
 from ._errors import LifecycleError
 from ._phase import Phase
@@ -249,6 +251,16 @@ class _Runner:
             yield s, order[i + 1] if i + 1 < len(order) else None
 
     async def run(self, scenario: Scenario) -> None:
+        try:
+            await self._run(scenario)
+        except BaseExceptionGroup as group:  # the sampler never raises: unwrap the step's error
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0]  # noqa: B904
+            raise
+        finally:
+            self.tmp.cleanup()
+
+    async def _run(self, scenario: Scenario) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.sample)
             for step, nxt in self.flat(scenario.steps):
@@ -276,7 +288,6 @@ class _Runner:
                 if self.on_step:
                     self.on_step(outcome)
             tg.cancel_scope.cancel()
-        self.tmp.cleanup()
 
     def record(self) -> None:
         rep = self.ctl.report()
@@ -338,6 +349,10 @@ class _Runner:
 
     async def update(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
         names = a.get("components") or ["transformer"]
+        unknown = [n for n in names if n not in self.ctl.components]
+        if unknown:
+            return False, (f"update names unknown component(s) {unknown}; components: "
+                           f"{sorted(self.ctl.components)}"), 0
         delta = float(a.get("delta", 0.001))
         if a.get("source", "disk") == "tensors":
             state = {k: v + delta for k, v in self.ctl.components[names[0]].state_dict().items()
@@ -404,11 +419,12 @@ async def run_drill(scenario: Scenario, *, device: str | None = None, size: str 
 
     ``on_step`` is told each step's outcome; ``on_progress`` the bytes of moves in flight."""
     size_bytes = parse_size(size or scenario.size or "64MB")
+    config = ResidencyConfig.parse(residency or scenario.residency)
+    config.validate_components(DemoPipeline.COMPONENTS)  # bad usage, before anything runs
     pipe = DemoPipeline.build(size_bytes, seed=seed)
     # The drill's own device layer, so that fail_next steps inject real faults.
     layer = faulty_device_layer(device)
-    ctl = LifecycleController(device_layer=layer, residency=residency or scenario.residency,
-                              progress=on_progress)
+    ctl = LifecycleController(device_layer=layer, residency=config, progress=on_progress)
     report = DrillReport(scenario.name, str(ctl.device), pipe.nbytes)
     await _Runner(ctl, pipe, layer, report, on_step).run(scenario)
     return report

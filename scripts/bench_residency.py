@@ -3,14 +3,15 @@
     python scripts/bench_residency.py [--layers 24] [--width 1024] [--tokens 256]
         [--device cpu|cuda] [--repeats 5] [--json]
 
-Sizes default to 24 x 1024 x 256 on CUDA, 8 x 256 x 64 on the CPU (one intra-op thread). One
-controller per mode (detached after) over a copy of the same random weights, inference_mode;
-outputs must be bit-identical to resident (exit 1 otherwise). fwd ms: median forward inside an
-open ``ctl.use``; use ms: median whole use (in, forward, out); peak: CPU, max ``ctl.report()``
-device bytes seen by a pre-hook on every block, CUDA, ``max_memory_allocated``; moved: bytes
-copied per use. "reference": the reference's component offload (in, forward, every weight
-copied back to fresh host memory; on the CPU ``.to`` is a no-op, so a fresh ``empty_like``
-copy per tensor), timed alternately with our component-offload so both see the same noise.
+Sizes default to 24x1024x256 on CUDA, 8x256x64 on the CPU (there with one intra-op thread, as
+OpenMP barriers stall on a small shared CPU, and glibc keeping freed memory as CUDA's caching
+allocator does, else every use page-faults its buffers in again). One controller per mode over
+a copy of the same random weights, inference_mode; outputs must equal resident's bit for bit
+(exit 1 otherwise). fwd: median forward in an open ``ctl.use``; use: median whole use (in,
+forward, out); peak: CPU, max ``ctl.report()`` device bytes seen by a pre-hook on every block,
+CUDA, ``max_memory_allocated``; moved: bytes copied per use. "reference": the reference's
+component offload (in, forward, every weight copied back to fresh host memory; on the CPU a
+fresh ``empty_like`` copy per tensor), timed alternately with ours so both see the same noise.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from lifecycle import LifecycleController  # noqa: E402
+from lifecycle.bench import set_malloc  # noqa: E402
 from strategies import ResidencyConfig  # noqa: E402
 
 MiB = 2**20
@@ -53,8 +55,7 @@ MODES: dict[str, tuple[str, dict[str, str]]] = {  # name -> (mode, layerwise tun
 class Block(nn.Module):  # pre-norm attention and a 4x MLP
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.heads, self.norm1, self.norm2 = heads, nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
@@ -142,12 +143,11 @@ def reference_use(model: DiT, x: torch.Tensor, device: torch.device) -> Callable
     """The reference's component offload: in, forward, full copy of every weight back."""
     tensors = [*model.parameters(), *model.buffers()]
 
-    def move(to: torch.device) -> None:
+    def move(to: torch.device) -> None:  # on the CPU .to() is a no-op: copy into fresh memory
         if device.type == "cuda":
             model.to(to)
-        else:  # .to() is a no-op on the CPU: copy into fresh memory as a cross-device move would
-            for t in tensors:
-                t.data = torch.empty_like(t).copy_(t)
+        for t in tensors if device.type == "cpu" else []:
+            t.data = torch.empty_like(t).copy_(t)
 
     def use() -> torch.Tensor:
         move(device)
@@ -160,8 +160,7 @@ def reference_use(model: DiT, x: torch.Tensor, device: torch.device) -> Callable
 
 async def head_to_head(base: DiT, x: torch.Tensor, device: torch.device, repeats: int
                        ) -> tuple[float, dict[str, float], torch.Tensor]:
-    """Our component-offload uses and the reference's, alternated so both see the same noise.
-    Returns our median use ms, the reference's row and its output."""
+    """Alternated uses of our component-offload and the reference's: (our ms, its row, output)."""
     model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
     nbytes = sum(t.nbytes for t in [*base.parameters(), *base.buffers()])
     ctl = LifecycleController(device, residency=ResidencyConfig.parse("transformer=component-offload"))
@@ -200,12 +199,13 @@ async def main() -> int:
     args = p.parse_args()
     device = torch.device(args.device)
     big = device.type == "cuda"  # the CPU run is a small stand-in
-    layers, width, tokens = (args.layers or (24 if big else 8), args.width or (1024 if big else 256),
-                             args.tokens or (256 if big else 64))
+    layers, width, tokens = args.layers or (24 if big else 8), args.width or (1024 if big else 256), \
+        args.tokens or (256 if big else 64)
     dtype = torch.bfloat16 if big else torch.float32
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    if not big:  # OpenMP barriers stall badly when the (shared, small) CPU is contended
+    if not big:  # see the module docstring
         torch.set_num_threads(1)
+        set_malloc("keep")
     torch.manual_seed(0)
     base = DiT(layers, width).to(dtype).eval()
     x = torch.randn(2, tokens, width, dtype=dtype, device=device)

@@ -22,6 +22,7 @@ growth (end over end of warm-up: 5% of the cycles, at least 50) fails the run at
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import gc
 import json
@@ -47,7 +48,7 @@ from lifecycle.testing import FaultInjection, InjectedFault, faulty_device_layer
 
 UPDATE_EVERY, CHECK_EVERY, GROWTH_TARGET_PCT, GROWTH_MIN_CYCLES = 10, 100, 2.0, 1000
 UPDATED = ("out_proj.weight", "out_proj.bias", "final_ada.bias", "blocks.0.mlp.fc2.weight")
-OTHER = {"A": "B", "B": "A"}
+OTHER, PHASES = {"A": "B", "B": "A"}, ("generate", "sleep", "wake", "update")
 
 
 def rss() -> int:  # current resident set size, bytes
@@ -61,8 +62,7 @@ def object_types() -> collections.Counter[str]:
 
 
 def make_versions(pipe: DemoPipeline, seed: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Two deterministic versions of a few transformer tensors (one inside a block, so a
-    layer unit under layerwise offload), made before attach, on the CPU."""
+    """Two versions of a few transformer tensors (one in a block: a layer unit if layerwise)."""
     state = pipe.modules["transformer"].state_dict()
     g = torch.Generator().manual_seed(seed)
     return {v: {n: state[n] + 0.05 * torch.randn(state[n].shape, generator=g).to(state[n].dtype)
@@ -75,7 +75,9 @@ class Soak:
         self.checks = dict.fromkeys(("outputs", "phases", "device_bytes", "checksums", "in_flight",
                                      "faults", "versions_distinct"), True)
         self.failures: list[str] = []
-        self.ms: dict[str, list[float]] = {k: [] for k in ("generate", "sleep", "wake", "update")}
+        # Preallocated: growing lists (and rich's progress samples: every 10th cycle) add to RSS.
+        self.ms = {k: array.array("d", bytes(8 * args.cycles)) for k in PHASES}
+        self.n = dict.fromkeys(PHASES, 0)
         self.faults, self.rng = collections.Counter[str](), random.Random(args.seed)
 
     def check(self, kind: str, ok: bool, what: str) -> None:
@@ -87,7 +89,8 @@ class Soak:
         t0 = time.perf_counter()
         result = await fn(*a, **kw)
         self.ctl.device_layer.synchronize()
-        self.ms[phase].append(1e3 * (time.perf_counter() - t0))
+        self.ms[phase][self.n[phase]] = 1e3 * (time.perf_counter() - t0)
+        self.n[phase] += 1
         return result
 
     async def inject(self, i: int, kind: str, points: int, current: str) -> None:
@@ -97,16 +100,15 @@ class Soak:
         before = (ctl.phase, ctl.report(), ctl.weights_version)
         fired = layer.faults
         layer.arm(copy_at=self.rng.randint(1, points))
-        if kind == "sleep":
-            ctl.mark_dirty()  # a clean sleep copies nothing, so nothing could fail
-            try:
+        try:  # a faulted sleep raises, a faulted update returns a failure
+            if kind == "sleep":
+                ctl.mark_dirty()  # a clean sleep copies nothing, so nothing could fail
                 await ctl.sleep()
                 ok = False
-            except TransitionFailed as exc:
-                ok = isinstance(exc.cause, InjectedFault)
-        else:
-            result = await ctl.update_weights_from_tensors(self.versions[OTHER[current]], "transformer")
-            ok = not result.success
+            else:
+                ok = not (await ctl.update_weights_from_tensors(self.versions[OTHER[current]])).success
+        except TransitionFailed as exc:
+            ok = kind == "sleep" and isinstance(exc.cause, InjectedFault)
         layer.arm()  # disarm, had it not fired
         self.faults[kind] += 1
         self.check("faults", ok and layer.faults == fired + 1, f"cycle {i}: {kind} fault not raised")
@@ -115,7 +117,7 @@ class Soak:
         self.check("checksums", ctl.weights_checksum() == self.sums[current],
                    f"cycle {i}: weights changed by a rolled-back {kind}")
 
-    async def run(self, advance: Callable[[], None]) -> dict[str, Any]:
+    async def run(self, advance: Callable[[int], object]) -> dict[str, Any]:
         args = self.args
         pipe = DemoPipeline.build(parse_size(args.size), seed=args.seed)
         self.versions = make_versions(pipe, args.seed)
@@ -168,14 +170,15 @@ class Soak:
             if i % CHECK_EVERY == 0 or i in (warm, args.cycles):
                 samples.append((i, rss()))
             if i == warm:
-                warm_rss, warm_types = rss(), object_types()
+                warm_rss, warm_types = samples[-1][1], object_types()
                 if args.trace:
                     tracemalloc.start()
                     warm_trace = tracemalloc.take_snapshot()
-            advance()
-        seconds = time.perf_counter() - t0
-        end_rss, end_types, report = rss(), object_types(), ctl.report()
+            advance(i)
+        seconds, end_rss, end_types, report = time.perf_counter() - t0, rss(), object_types(), ctl.report()
         growth = 100.0 * (end_rss - warm_rss) / warm_rss
+        late = [(c, b) for c, b in samples if c >= warm]  # least-squares slope after warm-up
+        slope = statistics.linear_regression(*zip(*late, strict=True)).slope if len(late) > 2 else 0.0
         checked = args.cycles >= GROWTH_MIN_CYCLES and not args.no_growth_check
         top = [f"{s.size_diff / 1024:+.1f} KiB {s.count_diff:+d} blocks at {s.traceback}" for s in
                tracemalloc.take_snapshot().compare_to(warm_trace, "lineno")[:10]] if args.trace else []
@@ -186,13 +189,12 @@ class Soak:
                        "device": str(ctl.device), "threads": torch.get_num_threads()},
             "integrity": self.checks, "failures": self.failures[:20], "faults": dict(self.faults),
             "seconds": seconds, "cycles_per_second": args.cycles / seconds,
-            "phase_ms": {k: statistics.median(v) if v else None for k, v in self.ms.items()},
-            "rss": {"warmup_cycle": warm, "warmup": warm_rss, "end": end_rss, "growth_pct": growth},
-            "rss_samples": samples,
-            "growth_check": ("PASS" if growth < GROWTH_TARGET_PCT else "FAIL") if checked else
-            "skipped (under 1000 cycles or --no-growth-check)",
-            "host_bytes": report.host_bytes, "pinned_bytes": report.pinned_bytes,
-            "device_bytes_awake": report.device_bytes,
+            "phase_ms": {k: statistics.median(v[:self.n[k]]) if self.n[k] else None
+                         for k, v in self.ms.items()},
+            "rss": {"warmup_cycle": warm, "warmup": warm_rss, "end": end_rss, "growth_pct": growth,
+                    "bytes_per_cycle": slope, "samples": samples},
+            "growth_check": ("PASS" if growth < GROWTH_TARGET_PCT else "FAIL") if checked else "skipped",
+            **{f"{k}_bytes": getattr(report, f"{k}_bytes") for k in ("host", "pinned", "device")},
             "objects": {"warmup": warm_types.total(), "end": end_types.total(),
                         "grown": dict((end_types - warm_types).most_common(8))},
             "tracemalloc_top": top,
@@ -209,7 +211,7 @@ def print_summary(res: dict[str, Any]) -> None:
         t.add_row(f"{k} median", "-" if v is None else f"{v:.3f} ms")
     t.add_row("RSS warm-up / end", f"{r['warmup'] / mib:.1f} MiB (cycle {r['warmup_cycle']}) / "
               f"{r['end'] / mib:.1f} MiB: {r['growth_pct']:+.2f}% (< {GROWTH_TARGET_PCT}%) "
-              f"{res['growth_check']}")
+              f"{res['growth_check']}; slope {r['bytes_per_cycle']:+.1f} B/cycle")
     t.add_row("host / pinned bytes", f"{res['host_bytes']:,} / {res['pinned_bytes']:,}")
     t.add_row("Python objects", f"{o['warmup']:,} -> {o['end']:,}  grown: {o['grown'] or '-'}")
     t.add_row("faults injected", str(res["faults"] or "-"))
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(json=True, level="error")  # rolled-back faults log warnings by design
     with Progress(transient=True, disable=args.json) as progress:
         task = progress.add_task("soak", total=args.cycles)
-        res = anyio.run(Soak(args).run, lambda: progress.advance(task))
+        res = anyio.run(Soak(args).run, lambda i: i % 10 or args.json or progress.update(task, completed=i))
     print(json.dumps(res, indent=2)) if args.json else print_summary(res)
     return 0 if res["ok"] else 1
 

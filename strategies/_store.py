@@ -238,6 +238,10 @@ class TensorStore:
         if t.is_meta:
             raise StoreError(f"{where} is on the meta device (no data); load real weights "
                              "before attaching")
+        if t.is_inference():
+            raise StoreError(f"{where} is an inference tensor (made under torch.inference_mode): "
+                             "it cannot be tracked or updated in place; build or load the "
+                             "module outside inference_mode")
         if t.layout != torch.strided:
             raise StoreError(f"{where} has layout {t.layout}; only dense (strided) tensors "
                              "are supported")

@@ -30,5 +30,5 @@ def test_state_diagram_is_generated_from_the_transition_table() -> None:
 
 def test_every_script_and_file_the_readme_names_exists() -> None:
     """Commands and paths in the README point at files that exist."""
-    for path in set(re.findall(r"(scripts/[\w./-]+|lifecycle/[\w./-]+\.py)", README)):
+XX
         assert (ROOT / path).exists(), path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 import pytest
 import torch
@@ -20,6 +22,13 @@ from tests.helpers import fingerprints, small_pipeline
 pytestmark = pytest.mark.anyio
 
 
+async def wait_for(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` (a transition's progress is not an event we can wait on)."""
+    with anyio.fail_after(10):
+        while not condition():
+            await anyio.sleep(0.001)
+
+
 async def attached(**kwargs: object) -> LifecycleController:
     ctl = LifecycleController("cpu", **kwargs)  # type: ignore[arg-type]
     await ctl.attach(small_pipeline())
@@ -30,16 +39,18 @@ async def test_sleep_waits_for_in_flight_uses_before_moving() -> None:
     """A sleep requested during a use starts moving only after the use ends."""
     ctl = await attached()
     order: list[str] = []
+    in_use = anyio.Event()
 
     async def user() -> None:
         async with ctl.use("transformer") as m:
             order.append("use start")
-            await anyio.sleep(0.05)
+            in_use.set()
+            await wait_for(lambda: ctl.transition == "sleep")
             m(torch.zeros(1, 16))  # the weights are still there
             order.append("use end")
 
     async def sleeper() -> None:
-        await anyio.sleep(0.01)
+        await in_use.wait()
         assert ctl.in_flight == 1
         order.append("sleep called")
         await ctl.sleep()
@@ -65,7 +76,7 @@ async def test_drain_timeout_reopens_admission_and_moves_nothing() -> None:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(holder)
-        await anyio.sleep(0.01)
+        await wait_for(lambda: ctl.in_flight == 1)
         before = ctl.report()
         with pytest.raises(DrainTimeout) as info:
             await ctl.sleep()
@@ -94,8 +105,7 @@ async def test_use_during_a_transition_waits_then_proceeds_when_awake() -> None:
     seen: list[Phase] = []
 
     async def user() -> None:
-        await anyio.sleep(0.005)
-        assert ctl.transition == "wake"
+        await wait_for(lambda: ctl.transition == "wake")
         async with ctl.use("transformer") as m:
             seen.append(ctl.phase)
             m(torch.zeros(1, 16))
@@ -114,7 +124,7 @@ async def test_use_that_waits_too_long_raises_admission_timeout() -> None:
     await ctl.sleep()
     async with anyio.create_task_group() as tg:
         tg.start_soon(ctl.wake)
-        await anyio.sleep(0.001)
+        await wait_for(lambda: ctl.transition == "wake")
         with pytest.raises(AdmissionTimeout) as info:
             async with ctl.use("vae"):
                 pass
@@ -155,7 +165,7 @@ async def test_auto_wake_wakes_once_for_many_waiting_callers() -> None:
         for i in range(10):
             tg.start_soon(user, i)
     assert sorted(ran) == list(range(10))
-    units = sum(len(c.strategy.store.units) for c in ctl._components.values())
+    units = sum(len(ctl.strategy(n).store.units) for n in ctl.components)
     assert layer.copies - copies == units  # one wake's worth of copies
     assert ctl.phase is Phase.AWAKE and fingerprints(pipe) == sums
 

@@ -98,11 +98,9 @@ def test_bad_options_exit_2(args: list[str], needle: str,
     assert needle in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a --residency selector naming no component "
-                   "(ValueError raised by attach inside _Runner.run's task group) escapes "
-                   "as an ExceptionGroup instead of exit code 2")
 def test_residency_naming_an_unknown_component_exits_2(
         capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: the ValueError used to escape the drill's task group as an ExceptionGroup."""
     assert main(["drill", "--size", "4MB", "--cycles", "1", "--residency", "unet=resident"]) == 2
     assert "unet" in capsys.readouterr().err
 

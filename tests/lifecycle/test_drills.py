@@ -4,6 +4,7 @@ runs (naming the step and the valid choices), and the report tells failures apar
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +284,52 @@ def test_timeline_of_a_failing_report(tmp_path: Path) -> None:
     out = tmp_path / "sub" / "t.png"
     draw_timeline(report, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- regressions -----------------------------------------------------------------------
+
+async def test_update_of_an_unknown_component_is_a_failed_step_not_a_crash() -> None:
+    scenario = parse_scenario(_scenario(
+        {"do": "attach"}, {"do": "update", "components": ["unet"]},
+        {"do": "expect", "success": False, "message": "unet"}))
+    report = await run_drill(scenario, size=SIZE)
+    assert report.passed, report.verdict  # the failure was expected by the next step
+    assert report.outcomes[1].ok is False
+
+
+async def test_a_crashing_step_raises_its_own_error_and_cleans_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected error in a step comes out as itself (not an ExceptionGroup) and the
+    drill's temporary directory is removed."""
+    import lifecycle.drills as drills
+
+    execute = drills._Runner.execute
+
+    async def crash_on_sleep(self: Any, step: Any) -> Any:
+        if step.kind == "sleep":
+            raise RuntimeError("boom")
+        return await execute(self, step)
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(drills._Runner, "execute", crash_on_sleep)
+    scenario = parse_scenario(_scenario({"do": "attach"}, {"do": "sleep"}))
+    with pytest.raises(RuntimeError, match="boom"):
+        await run_drill(scenario, size=SIZE)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("residency-drill-")] == []
+
+
+async def test_a_residency_naming_no_component_is_refused_before_anything_runs() -> None:
+    with pytest.raises(ValueError, match="unet"):
+        await run_drill(default_scenario(), size=SIZE, residency="unet=resident")
+
+
+async def test_errors_inside_a_request_are_not_wrapped() -> None:
+    from lifecycle import ComponentAsleep, LifecycleController
+    from lifecycle.demo import DemoPipeline
+
+    ctl = LifecycleController("cpu")
+    await ctl.attach(DemoPipeline.build(2**20))
+    await ctl.sleep()
+    with pytest.raises(ComponentAsleep):
+        async with ctl.request(["text_encoder", "transformer"]), ctl.use("text_encoder"):
+            pass

@@ -215,3 +215,18 @@ async def test_unsupported_pipeline_is_a_type_error_naming_the_expected_forms(ba
                                         "with a `modules` or `components` mapping"):
         await ctl.attach(bad)
     assert ctl.phase is Phase.UNINITIALIZED
+
+
+async def test_detach_undoes_what_attach_enabled_so_reattach_follows_the_new_config() -> None:
+    """Layerwise offload enabled by attach() is taken back by detach(): a later attach with
+    a resident configuration gets the resident strategy."""
+    pipe = small_pipeline()
+    ctl = LifecycleController("cpu", residency="text_encoder=layerwise-offload")
+    await ctl.attach(pipe)
+    assert ctl.strategy("text_encoder").mode.value == "layerwise-offload"
+    await ctl.detach()
+    again = LifecycleController("cpu")
+    await again.attach(pipe)
+    assert again.strategy("text_encoder").mode.value == "resident"
+    assert again.report().components["text_encoder"].device_bytes == \
+        again.report().components["text_encoder"].total_bytes

@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import random
 import re
+import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import anyio
 import pytest
@@ -28,6 +30,7 @@ from strategies import (
     is_layerwise_offloaded,
     layerwise_blocks,
 )
+from strategies._device import Tier
 from tests.helpers import fingerprints, small_pipeline
 
 pytestmark = pytest.mark.anyio
@@ -51,6 +54,36 @@ def _one_intra_op_thread() -> Iterator[None]:
 def raises_exactly(kind: type[Exception], message: str) -> pytest.RaisesExc[Exception]:
     """Expect ``kind`` with exactly ``message``."""
     return pytest.raises(kind, match=f"^{re.escape(message)}$")
+
+
+class TrackingDevice(FaultyDevice):
+    """Counts the bytes of live device-tier buffers the layer allocated, and their peak
+    (checked at every allocation, so buffers of prefetches still in flight count too).
+
+    Each copy batch is emptied once copied: the worker threads (anyio's, the copier's) keep
+    their last arguments referenced for a moment after reporting completion, which on the
+    CPU stand-in keeps an evicted layer's buffer alive past its eviction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+
+    def alloc(self, nbytes: int, tier: Tier, **kwargs: Any) -> torch.Tensor:
+        buf = super().alloc(nbytes, tier, **kwargs)
+        if tier == "device":
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(buf, self._freed, nbytes)
+        return buf
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def _copy_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super()._copy_batch(pairs)
+        if isinstance(pairs, list):
+            pairs.clear()
 
 
 # --- models ---------------------------------------------------------------------------
@@ -568,6 +601,27 @@ async def test_layerwise_outputs_are_bit_identical_to_resident_and_peak_is_bound
         assert ctl.report().components["transformer"].device_bytes == NONLAYER_BYTES
     assert len(samples) == 2 * 5 * 6
     assert NONLAYER_BYTES + LAYER_BYTES <= max(samples) <= bound
+
+
+@pytest.mark.parametrize(("tuning", "resolved"), list(TUNINGS.items()), ids=str)
+async def test_layerwise_allocated_device_bytes_stay_within_the_bound(
+        tuning: tuple[float, float, str], resolved: tuple[int, tuple[int, ...]]) -> None:
+    """Counting every device buffer the layer allocates (prefetches in flight included), at
+    most resident + prefetch + 1 layers are alive at once, and none after a use, whatever
+    order the blocks run in."""
+    layer = TrackingDevice()
+    ctl, model, reference, _ = await attach_layerwise(layerwise_config(*tuning), n=6, layer=layer)
+    prefetch, resident = resolved
+    x = x_in()
+    with torch.inference_mode():
+        for call in range(3):
+            assert torch.equal(model(x, permuted_order(6, call)), reference(x, permuted_order(6, call)))
+        async with ctl.use("transformer"):
+            for call in range(3):
+                assert torch.equal(model(x), reference(x))
+                assert torch.equal(model(x, even_order(6, call)), reference(x, even_order(6, call)))
+    assert layer.live == 0
+    assert LAYER_BYTES <= layer.peak <= (len(resident) + prefetch + 1) * LAYER_BYTES
 
 
 def reversed_order(n: int, call: int) -> list[int]:

@@ -1,0 +1,247 @@
+"""Placing components for ``use()``, and moving the next one in ahead of time.
+
+A use holds a lease (see ``_admission``) and places its component per its strategy: the
+first concurrent user brings it in, the last one sends it back. Within a ``request()`` the
+next component in the declared order is prepared in the background while the current one
+runs (a *prefetch*, itself holding a lease): its bytes are copied but nothing is re-pointed
+until its ``use()`` commits the move, so dropping an unused prefetch only frees buffers.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+from torch import nn
+
+from strategies import DeviceLayer, Move, ResidencyStrategy
+from strategies._guard import ComputeGuard
+
+from ._admission import Admission
+from ._errors import ComponentAsleep, TransitionFailed, TransitionRejected
+from ._events import get_logger
+from ._phase import NOT_INITIALIZED, Phase
+
+__all__ = ["Component", "Uses"]
+
+_log = get_logger("lifecycle")
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    """A component's use-placement prepared ahead of its ``use()`` within a request."""
+
+    lease: int
+    scope: anyio.CancelScope | None = None
+    started: bool = False  # prepare_use was called: dropping it needs finish_use
+    ready: bool = False  # prepared successfully: use() commits ``move``
+    move: Move | None = None
+
+
+@dataclass(eq=False)
+class Component:
+    """An attached component: its module, strategy, guard and use bookkeeping."""
+
+    name: str
+    module: nn.Module
+    strategy: ResidencyStrategy
+    guard: ComputeGuard | None = None
+    users: int = 0
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    fsdp: bool = False
+    prefetch: _Prefetch | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    order: tuple[str, ...]
+    tg: anyio.abc.TaskGroup
+    position: int = -1
+    started: set[str] = field(default_factory=set)
+
+
+_request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
+    "residency_request", default=None)
+
+
+class Uses:
+    """Leases, placement around uses, and request-level prefetch for one controller."""
+
+    def __init__(self, admission: Admission, layer: DeviceLayer, phase: Callable[[], Phase],
+                 wake: Callable[[], Awaitable[object]], rank: int) -> None:
+        self.admission = admission
+        self.layer = layer
+        self.phase = phase
+        self.wake = wake
+        self.rank = rank
+        self.components: dict[str, Component] = {}
+        self.auto_wake = False
+        self.prefetch_components = True
+
+    def component(self, name: str) -> Component:
+        try:
+            return self.components[name]
+        except KeyError:
+            raise KeyError(f"no component {name!r}; components: {sorted(self.components)}") \
+                from None
+
+    # -- use ---------------------------------------------------------------------------
+    @asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[nn.Module]:
+        await self._admit(name)
+        c = self.component(name)
+        lease = self.admission.take(name)
+        try:
+            await self._acquire(c)
+            try:
+                self._prefetch_next(name)
+                yield c.module
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._release(c)
+        finally:
+            self.admission.give(lease)
+
+    async def _admit(self, name: str) -> None:
+        while True:
+            await self.admission.wait_open(name)
+            if self.phase() is Phase.SLEEPING:
+                if not self.auto_wake:
+                    raise ComponentAsleep(name)
+                await self.wake()  # many waiters: the first moves, the rest see "already awake"
+                continue
+            if self.phase() is Phase.UNINITIALIZED:
+                raise TransitionRejected("use", self.phase(), NOT_INITIALIZED)
+            if self.admission.closed_by is None:
+                return
+
+    async def _acquire(self, c: Component) -> None:
+        async with c.lock:
+            c.users += 1
+            if c.users > 1:
+                return
+            try:
+                pf = c.prefetch
+                if pf is not None and pf.ready:
+                    c.prefetch = None
+                    self.admission.give(pf.lease)
+                    move = pf.move
+                else:
+                    move = await c.strategy.prepare_use()
+                if move is not None:
+                    move.commit()
+            except BaseException as exc:
+                c.users -= 1
+                with anyio.CancelScope(shield=True):
+                    await c.strategy.finish_use()
+                if isinstance(exc, Exception):
+                    raise TransitionFailed("use", self.phase(), exc) from exc
+                raise
+
+    async def _release(self, c: Component) -> None:
+        async with c.lock:
+            c.users -= 1
+            if c.users:
+                return
+            try:
+                await c.strategy.finish_use()
+            except Exception as exc:
+                # The component stays where it is (consistent, mirror not current); the
+                # next sleep copies it. Reported, not raised over the user's own result.
+                _log.warning("use.release_failed", component=c.name,
+                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+
+    # -- request and prefetch ----------------------------------------------------------
+    @asynccontextmanager
+    async def request(self, order: Sequence[str]) -> AsyncIterator[None]:
+        unknown = [n for n in order if n not in self.components]
+        if unknown:
+            raise KeyError(f"request names unknown components {unknown}; "
+                           f"components: {sorted(self.components)}")
+        try:
+            async with anyio.create_task_group() as tg:
+                req = _Request(tuple(order), tg)
+                token = _request.set(req)
+                try:
+                    yield
+                finally:
+                    _request.reset(token)
+                    with anyio.CancelScope(shield=True):
+                        for name in req.started:
+                            await self._drop_prefetch(self.components[name])
+        except BaseExceptionGroup as group:
+            # Prefetch tasks never raise, so this is the body's own error: hand it back as
+            # raised, not wrapped (callers write `except ComponentAsleep`).
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0]  # noqa: B904
+            raise
+
+    def _prefetch_next(self, name: str) -> None:
+        req = _request.get()
+        if req is None or not self.prefetch_components:
+            return
+        try:
+            req.position = req.order.index(name, req.position + 1)
+        except ValueError:
+            return
+        if req.position + 1 >= len(req.order):
+            return
+        nxt = self.components[req.order[req.position + 1]]
+        if nxt.users or nxt.prefetch is not None or nxt is self.components[name]:
+            return
+        store = nxt.strategy.store
+        free = self.layer.free_bytes()
+        if free is not None and free < store.nbytes - store.device_bytes:
+            return
+        nxt.prefetch = _Prefetch(self.admission.take(f"{nxt.name} (prefetch)"))
+        req.started.add(nxt.name)
+        req.tg.start_soon(self._run_prefetch, nxt, nxt.prefetch)
+
+    def _may_prefetch(self, c: Component, pf: _Prefetch) -> bool:
+        return c.users == 0 and c.prefetch is pf and self.phase() is Phase.AWAKE \
+            and self.admission.closed_by is None
+
+    async def _run_prefetch(self, c: Component, pf: _Prefetch) -> None:
+        with anyio.CancelScope() as pf.scope:
+            try:
+                async with c.lock:
+                    if self._may_prefetch(c, pf):
+                        pf.started = True
+                        pf.move = await c.strategy.prepare_use()
+                        # A copy is not abandoned when cancelled: it completes, so look again.
+                        if not pf.scope.cancel_called and self._may_prefetch(c, pf):
+                            pf.ready = True
+                            return
+            except Exception as exc:
+                _log.warning("prefetch.failed", component=c.name,
+                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+        with anyio.CancelScope(shield=True):
+            await self._drop_prefetch(c, pf)
+
+    async def _drop_prefetch(self, c: Component, pf: _Prefetch | None = None) -> None:
+        """Undo a prefetch that will not be used and return its lease."""
+        pf = pf or c.prefetch
+        if pf is None or c.prefetch is not pf:
+            return
+        c.prefetch = None
+        if pf.move is not None:
+            pf.move.rollback()
+        if pf.started and c.users == 0:
+            await c.strategy.finish_use()
+        self.admission.give(pf.lease)
+
+    async def stop_prefetches(self) -> None:
+        """Before a drain: drop prepared prefetches, cancel those still copying (their
+        tasks drop them and return the leases)."""
+        for c in self.components.values():
+            pf = c.prefetch
+            if pf is None:
+                continue
+            if pf.ready:
+                await self._drop_prefetch(c)
+            elif pf.scope is not None:
+                pf.scope.cancel()
