@@ -30,5 +30,6 @@ def test_state_diagram_is_generated_from_the_transition_table() -> None:
 
 def test_every_script_and_file_the_readme_names_exists() -> None:
     """Commands and paths in the README point at files that exist."""
-XX
+    pattern = r"(?<![\w/])((?:scripts|lifecycle|tests)/[\w./-]+\.(?:py|toml)|scripts/\w+)"
+    for path in set(re.findall(pattern, README)):
         assert (ROOT / path).exists(), path
