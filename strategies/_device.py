@@ -134,6 +134,10 @@ class DeviceLayer:
             self.copies += 1
         dst.copy_(src, non_blocking=self.pinned)
 
+    def _copy_batch(self, pairs: Sequence[CopyPair]) -> None:
+        for dst, src in pairs:
+            self._copy_one(dst, src)
+
     def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
         """Start copying every pair in the background; returns at once (forward hooks)."""
         raise NotImplementedError
@@ -169,10 +173,6 @@ class CpuDevice(DeviceLayer):
         super().__init__(device or torch.device("cpu"))
         self._limiter = anyio.CapacityLimiter(1)
         self._copier: ThreadPoolExecutor | None = None
-
-    def _copy_batch(self, pairs: Sequence[CopyPair]) -> None:
-        for dst, src in pairs:
-            self._copy_one(dst, src)
 
     def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
         # The CPU stand-in for a copy stream: one background thread, in submission order.
@@ -222,6 +222,13 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
         return _EventHandle(self._enqueue(pairs, to), self.device)
 
     async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
+        # Host-to-host pairs (adopting host-loaded weights, update backups) are plain memcpy:
+        # a worker thread does them, so the event loop never blocks on them.
+        on_host = [p for p in pairs if p[0].device.type == "cpu" and p[1].device.type == "cpu"]
+        if on_host:
+            await anyio.to_thread.run_sync(self._copy_batch, on_host, limiter=self._limiter)
+            pairs = [p for p in pairs if not (p[0].device.type == "cpu" and
+                                              p[1].device.type == "cpu")]
         if not pairs:
             return
         event = self._enqueue(pairs, to)

@@ -369,8 +369,6 @@ async def test_attach_retried_after_a_failed_placement_serves_identical_outputs(
             assert torch.equal(model(x_in()), reference(x_in()))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: TensorStore._inventory reads Tensor._version of "
-                   "inference tensors (raw RuntimeError); _check_tensor should refuse them clearly")
 async def test_attach_refuses_inference_tensors_with_a_clear_error() -> None:
     """A module created under torch.inference_mode is refused with a ValueError naming the tensor."""
     with torch.inference_mode():
