@@ -241,13 +241,15 @@ def plan_from_disk(stores: Mapping[str, TensorStore], path: str | os.PathLike[st
 
 
 # -- applying ---------------------------------------------------------------------------
-def _targets(w: _Write) -> list[torch.Tensor]:
-    """Where ``w`` must be written: the live tensor, and the host mirror too when the
-    tensor is on the device and the mirror is current."""
-    out = [w.slot.tensor.detach()]
-    if w.unit.where == "device" and w.unit.mirror_current and w.slot.host_view is not None:
-        out.append(w.slot.host_view)
-    return out
+def _live(w: _Write) -> torch.Tensor:
+    return w.slot.tensor.detach()
+
+
+def _mirrored(w: _Write) -> bool:
+    """Whether ``w``'s tensor is on the device with a current host mirror: the mirror is then
+    its backup, and is brought up to date only once every device write has succeeded."""
+    return (w.unit.where == "device" and w.unit.mirror_current and w.slot.host_view is not None
+            and w.slot.version == w.slot.tensor._version)
 
 
 def _load_chunk(writes: Sequence[_Write]) -> list[torch.Tensor]:
@@ -281,37 +283,64 @@ async def _copy(layer: DeviceLayer, pairs: list[tuple[torch.Tensor, torch.Tensor
                          else "host")
 
 
+def _backup(w: _Write, layer: DeviceLayer, on_device: bool) -> torch.Tensor:
+    t = w.slot.tensor
+    if not w.nbytes:
+        return torch.empty_like(t, device="cpu")
+    buf = layer.alloc(w.nbytes, "device") if on_device else \
+        layer.alloc(w.nbytes, "host", pinned=False)
+    return buf.view(t.dtype).view(t.shape)
+
+
 async def apply_plan(plan: UpdatePlan, layer: DeviceLayer) -> int:
-    """Write every tensor of ``plan`` or none; returns the bytes written."""
-    was_clean = [w.slot.version == w.slot.tensor._version for w in plan.writes]
-    backups: list[torch.Tensor] = []
-    written = 0  # writes (in plan order) whose targets may have been touched
+    """Write every tensor of ``plan`` or none; returns the bytes written.
+
+    1. Back up what has no current copy elsewhere: tensors on the host (offloaded components,
+       streamed layers) and device tensors whose mirror is stale. A device tensor with a
+       current mirror needs no backup: the mirror is one. Backups of device tensors stay on
+       the device when it has room (no device-to-host copy of the whole model on CUDA).
+    2. Write the live tensors, chunk by chunk as sources are read. Any failure or
+       cancellation restores every written tensor from its backup or mirror.
+    3. Bring the mirrors used as backups up to date from the device (so the next sleep copies
+       nothing). The update is already complete: a failure here only marks the mirror stale.
+    """
+    writes = plan.writes
+    mirrored = [_mirrored(w) for w in writes]
+    was_clean = [w.slot.version == w.slot.tensor._version for w in writes]
+    on_device = [w for w, m in zip(writes, mirrored, strict=True)
+                 if not m and _live(w).device.type != "cpu"]
+    free = layer.free_bytes()
+    backup_on_device = free is None or free > 2 * sum(w.nbytes for w in on_device)
+    backups: dict[int, torch.Tensor] = {}
+    written = 0  # writes (in plan order) whose live tensor may have been touched
     try:
-        for w in plan.writes:
-            t = w.slot.tensor
-            buf = layer.alloc(w.nbytes, "host", pinned=False)
-            backups.append(buf.view(t.dtype).view(t.shape) if w.nbytes else
-                           torch.empty_like(t, device="cpu"))
-        await _copy(layer, [(b, w.slot.tensor.detach())
-                            for b, w in zip(backups, plan.writes, strict=True)])
-        for chunk in _chunks(plan.writes):
+        for w, m in zip(writes, mirrored, strict=True):
+            if not m:
+                dev = backup_on_device and _live(w).device.type != "cpu"
+                backups[id(w)] = _backup(w, layer, dev)
+        await _copy(layer, [(backups[id(w)], _live(w)) for w in writes if id(w) in backups])
+        for chunk in _chunks(writes):
             sources = await anyio.to_thread.run_sync(_load_chunk, chunk)
             written += len(chunk)
-            await _copy(layer, [(t, src) for w, src in zip(chunk, sources, strict=True)
-                                for t in _targets(w)])
+            await _copy(layer, [(_live(w), src) for w, src in zip(chunk, sources, strict=True)])
     except BaseException:
         with anyio.CancelScope(shield=True):
-            done = plan.writes[:written]
-            await _copy(layer, [(t, b) for w, b in zip(done, backups, strict=False)
-                                for t in _targets(w)])
+            done = writes[:written]
+            await _copy(layer, [(_live(w), backups.get(id(w), w.slot.host_view))  # type: ignore[misc]
+                                for w in done])
             for w, clean in zip(done, was_clean, strict=False):
                 w.slot.version = w.slot.tensor._version if clean else -1
         raise
-    for w in plan.writes:
-        # Clean when every copy of the bytes was written: device and current mirror, or the
-        # host store itself.
-        both = len(_targets(w)) == 2 or w.unit.where == "host"
-        w.slot.version = w.slot.tensor._version if both else -1
+    try:
+        await _copy(layer, [(w.slot.host_view, _live(w))  # type: ignore[misc]
+                            for w, m in zip(writes, mirrored, strict=True) if m])
+    except Exception as exc:  # the device holds the new weights: only the mirror is stale
+        _log.warning("update.mirror_stale", error=f"{type(exc).__name__}: {exc}")
+        mirrored = [False] * len(writes)
+    for w, m in zip(writes, mirrored, strict=True):
+        # Clean when every copy of the bytes was written: device and mirror, or the host
+        # store itself.
+        w.slot.version = w.slot.tensor._version if m or w.unit.where == "host" else -1
     return plan.nbytes
 
 
@@ -322,6 +351,6 @@ def checksum(store: TensorStore) -> str:
     for name, t in store.named_tensors():
         c = t.detach().to("cpu").contiguous()
         h.update(f"{name}|{str(c.dtype).removeprefix('torch.')}|{_shape(c.shape)}\n".encode())
-        if c.numel():
-            h.update(ctypes.string_at(c.data_ptr(), c.nbytes))
+        if c.numel():  # hashed in place, without a copy into a bytes object
+            h.update((ctypes.c_char * c.nbytes).from_address(c.data_ptr()))
     return h.hexdigest()

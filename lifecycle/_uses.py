@@ -10,7 +10,7 @@ until its ``use()`` commits the move, so dropping an unused prefetch only frees 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -39,7 +39,14 @@ class _Prefetch:
     scope: anyio.CancelScope | None = None
     started: bool = False  # prepare_use was called: dropping it needs finish_use
     ready: bool = False  # prepared successfully: use() commits ``move``
+    cancelled: bool = False  # no longer wanted: its task drops it
+    dropped: bool = False  # lease returned, buffers released
     move: Move | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.scope is not None:
+            self.scope.cancel()
 
 
 @dataclass(eq=False)
@@ -171,8 +178,7 @@ class Uses:
                 finally:
                     _request.reset(token)
                     with anyio.CancelScope(shield=True):
-                        for name in req.started:
-                            await self._drop_prefetch(self.components[name])
+                        await self._stop_prefetches(req.started)
         except BaseExceptionGroup as group:
             # Prefetch tasks never raise, so this is the body's own error: hand it back as
             # raised, not wrapped (callers write `except ComponentAsleep`).
@@ -202,8 +208,8 @@ class Uses:
         req.tg.start_soon(self._run_prefetch, nxt, nxt.prefetch)
 
     def _may_prefetch(self, c: Component, pf: _Prefetch) -> bool:
-        return c.users == 0 and c.prefetch is pf and self.phase() is Phase.AWAKE \
-            and self.admission.closed_by is None
+        return c.users == 0 and c.prefetch is pf and not pf.cancelled \
+            and self.phase() is Phase.AWAKE and self.admission.closed_by is None
 
     async def _run_prefetch(self, c: Component, pf: _Prefetch) -> None:
         with anyio.CancelScope() as pf.scope:
@@ -213,7 +219,7 @@ class Uses:
                         pf.started = True
                         pf.move = await c.strategy.prepare_use()
                         # A copy is not abandoned when cancelled: it completes, so look again.
-                        if not pf.scope.cancel_called and self._may_prefetch(c, pf):
+                        if self._may_prefetch(c, pf):
                             pf.ready = True
                             return
             except Exception as exc:
@@ -222,26 +228,31 @@ class Uses:
         with anyio.CancelScope(shield=True):
             await self._drop_prefetch(c, pf)
 
-    async def _drop_prefetch(self, c: Component, pf: _Prefetch | None = None) -> None:
-        """Undo a prefetch that will not be used and return its lease."""
-        pf = pf or c.prefetch
-        if pf is None or c.prefetch is not pf:
+    async def _drop_prefetch(self, c: Component, pf: _Prefetch) -> None:
+        """Undo a prefetch that will not be used and return its lease (once)."""
+        if pf.dropped:
             return
-        c.prefetch = None
+        pf.dropped = True
+        if c.prefetch is pf:
+            c.prefetch = None
         if pf.move is not None:
             pf.move.rollback()
         if pf.started and c.users == 0:
             await c.strategy.finish_use()
         self.admission.give(pf.lease)
 
-    async def stop_prefetches(self) -> None:
-        """Before a drain: drop prepared prefetches, cancel those still copying (their
-        tasks drop them and return the leases)."""
-        for c in self.components.values():
+    async def _stop_prefetches(self, names: Iterable[str]) -> None:
+        for name in names:
+            c = self.components[name]
             pf = c.prefetch
             if pf is None:
                 continue
             if pf.ready:
-                await self._drop_prefetch(c)
-            elif pf.scope is not None:
-                pf.scope.cancel()
+                await self._drop_prefetch(c, pf)
+            else:
+                pf.cancel()  # its task drops it when the copy in flight has landed
+
+    async def stop_prefetches(self) -> None:
+        """Before a drain: drop prepared prefetches, cancel those still copying (their
+        tasks drop them and return the leases)."""
+        await self._stop_prefetches(list(self.components))

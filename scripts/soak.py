@@ -8,15 +8,16 @@ Prepares two versions, A and B, of a few transformer tensors of a DemoPipeline w
 reference outputs and checksums (update, generate, checksum). Each cycle: ``generate(ctl=ctl,
 steps=1)`` (every component through ``ctl.use``), sleep, wake, and every 10th cycle an update
 to the other version. ``--fault-every M``: every M-th cycle first fails an operation at a random
-copy (``lifecycle.testing``), alternately a sleep (after ``mark_dirty``, so that it copies) and
-an update, and checks the rollback: typed failure; phase, report, version, checksums unchanged.
+copy, alternately a sleep (after ``mark_dirty``, so that it copies) and an update, and checks the
+rollback: typed failure; phase, report, version, checksums unchanged. (The device layer is always
+``lifecycle.testing``'s fault-injecting one: unarmed, it only counts copies.)
 
 Exit 1 on any integrity failure: an output not bit-identical to the current version's, a wrong
-phase, device bytes while asleep, a lease held between cycles, a wrong checksum (every 100
-cycles), a fault not raised or not rolled back. Also reports cycles/s, median ms per phase,
-current RSS (/proc/self/statm, every 100 cycles), host/pinned bytes and Python objects. RSS
-growth (end over end of warm-up: 5% of the cycles, at least 50) fails the run at >= 2% only from
-1000 cycles on (shorter runs are allocator noise) and never with ``--no-growth-check``.
+phase, device bytes while asleep (report; CUDA: also the allocator), a lease held between cycles,
+a wrong checksum (every 100 cycles), a fault not raised or not rolled back. Reports cycles/s, median
+ms per phase, current RSS (/proc/self/statm, every 100 cycles), host/pinned bytes, Python objects.
+RSS growth (end over end of warm-up: 5% of the cycles, at least 50) fails the run at >= 2% only
+from 1000 cycles on (shorter runs are allocator noise) and never with ``--no-growth-check``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from rich.table import Table
 from lifecycle import LifecycleController, Phase, TransitionFailed, configure_logging
 from lifecycle.bench import set_malloc
 from lifecycle.demo import DemoPipeline, parse_size
-from lifecycle.testing import FaultInjection, InjectedFault, faulty_device_layer
+from lifecycle.testing import InjectedFault, faulty_device_layer
 
 UPDATE_EVERY, CHECK_EVERY, GROWTH_TARGET_PCT, GROWTH_MIN_CYCLES = 10, 100, 2.0, 1000
 UPDATED = ("out_proj.weight", "out_proj.bias", "final_ada.bias", "blocks.0.mlp.fc2.weight")
@@ -96,7 +97,6 @@ class Soak:
     async def inject(self, i: int, kind: str, points: int, current: str) -> None:
         """Fail ``kind`` at a random one of its ``points`` copies; check it rolled back."""
         ctl, layer = self.ctl, self.layer
-        assert isinstance(layer, FaultInjection)
         before = (ctl.phase, ctl.report(), ctl.weights_version)
         fired = layer.faults
         layer.arm(copy_at=self.rng.randint(1, points))
@@ -121,9 +121,8 @@ class Soak:
         args = self.args
         pipe = DemoPipeline.build(parse_size(args.size), seed=args.seed)
         self.versions = make_versions(pipe, args.seed)
-        self.layer = faulty_device_layer(args.device) if args.fault_every else None
-        self.ctl = ctl = LifecycleController(args.device, residency=args.residency,
-                                             device_layer=self.layer)
+        self.layer = layer = faulty_device_layer(args.device)  # unarmed, it only counts
+        self.ctl = ctl = LifecycleController(args.device, residency=args.residency, device_layer=layer)
         await ctl.attach(pipe)
         refs: dict[str, torch.Tensor] = {}
         self.sums: dict[str, dict[str, str]] = {}
@@ -134,28 +133,27 @@ class Soak:
             self.sums[v] = ctl.weights_checksum()
         self.check("versions_distinct", not torch.equal(refs["A"], refs["B"])
                    and self.sums["A"] != self.sums["B"], "versions A and B are indistinguishable")
-        kinds: list[tuple[str, int]] = []
-        if isinstance(self.layer, FaultInjection):  # count each faulted operation's copies
-            c0 = self.layer.copies
-            ctl.mark_dirty()
-            await ctl.sleep()
-            c1 = self.layer.copies
-            await ctl.wake()
-            c2 = self.layer.copies
-            await ctl.update_weights_from_tensors(self.versions["A"])
-            kinds = [(k, n) for k, n in [("sleep", c1 - c0), ("update", self.layer.copies - c2)] if n]
+        c0 = layer.copies  # the copies of a dirty sleep and of an update: where a fault can hit
+        ctl.mark_dirty()
+        await ctl.sleep()  # floor: CUDA's allocated bytes while asleep, plus 1 MiB of slack
+        c1, floor = layer.copies, (ctl.report().device_allocated or 0) + 2**20
+        await ctl.wake()
+        c2 = layer.copies
+        await ctl.update_weights_from_tensors(self.versions["A"])
+        kinds = [(k, n) for k, n in [("sleep", c1 - c0), ("update", layer.copies - c2)] if n]
         warm = min(args.cycles, max(50, args.cycles // 20))
         current, samples, t0 = "A", [(0, rss())], time.perf_counter()
         for i in range(1, args.cycles + 1):
             out = await self.timed("generate", pipe.generate, ctl=ctl, steps=1, seed=args.seed)
             self.check("outputs", torch.equal(out, refs[current]), f"cycle {i}: output != {current}")
             self.check("phases", ctl.phase is Phase.AWAKE, f"cycle {i}: {ctl.phase} after generate")
-            if kinds and i % args.fault_every == 0:
+            if args.fault_every and i % args.fault_every == 0 and kinds:
                 await self.inject(i, *kinds[sum(self.faults.values()) % len(kinds)], current)
             r = await self.timed("sleep", ctl.sleep)
             self.check("phases", r.success and ctl.phase is Phase.SLEEPING, f"cycle {i}: sleep {r}")
-            self.check("device_bytes", ctl.report().device_bytes == 0,
-                       f"cycle {i}: {ctl.report().device_bytes} device bytes while asleep")
+            rep = ctl.report()
+            self.check("device_bytes", rep.device_bytes == 0 and (rep.device_allocated or 0) <= floor,
+                       f"cycle {i}: {rep.device_bytes} device bytes ({rep.device_allocated}) asleep")
             r = await self.timed("wake", ctl.wake)
             self.check("phases", r.success and ctl.phase is Phase.AWAKE, f"cycle {i}: wake {r}")
             if i % UPDATE_EVERY == 0:
@@ -214,8 +212,8 @@ def print_summary(res: dict[str, Any]) -> None:
               f"{res['growth_check']}; slope {r['bytes_per_cycle']:+.1f} B/cycle")
     t.add_row("host / pinned bytes", f"{res['host_bytes']:,} / {res['pinned_bytes']:,}")
     t.add_row("Python objects", f"{o['warmup']:,} -> {o['end']:,}  grown: {o['grown'] or '-'}")
-    t.add_row("faults injected", str(res["faults"] or "-"))
-    t.add_row("integrity", ", ".join(f"{k} {'ok' if ok else 'FAIL'}" for k, ok in res["integrity"].items()))
+    t.add_row("integrity", ", ".join(f"{k} {'ok' if ok else 'FAIL'}" for k, ok in res["integrity"].items())
+              + f"; faults injected: {res['faults'] or '-'}")
     Console().print(t)
     print("\n".join([*res["failures"], *res["tracemalloc_top"], "PASS" if res["ok"] else "FAIL"]))
 

@@ -134,9 +134,12 @@ class DeviceLayer:
             self.copies += 1
         dst.copy_(src, non_blocking=self.pinned)
 
-    def _copy_batch(self, pairs: Sequence[CopyPair]) -> None:
+    def _copy_batch(self, pairs: list[CopyPair]) -> None:
         for dst, src in pairs:
             self._copy_one(dst, src)
+        # Worker threads keep their last arguments alive for a while: drop the buffers now,
+        # so a released buffer is really freed when the move says so.
+        pairs.clear()
 
     def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
         """Start copying every pair in the background; returns at once (forward hooks)."""
@@ -183,7 +186,7 @@ class CpuDevice(DeviceLayer):
     async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
         if pairs:
             # abandon_on_cancel=False: a cancelled caller waits for the thread to finish.
-            await anyio.to_thread.run_sync(self._copy_batch, pairs, limiter=self._limiter)
+            await anyio.to_thread.run_sync(self._copy_batch, list(pairs), limiter=self._limiter)
 
 
 class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_check.py

@@ -54,7 +54,8 @@ def build_strategy(name: str, module: nn.Module, config: ResidencyConfig,
         raise ComponentResidencyError(
             f"Component {name!r} resolved to {mode.value}, but it was loaded as an "
             "FSDP-managed module")
-    store = TensorStore(name, module, store_layer)
+    # Offloaded components always move whole: one buffer and one copy each way.
+    store = TensorStore(name, module, store_layer, whole=mode is not ResidencyMode.RESIDENT)
     return _STRATEGIES[mode](name, store)
 
 

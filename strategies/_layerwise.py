@@ -132,6 +132,10 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
         for i, (_, block) in enumerate(layers):
             self._handles.append(block.register_forward_pre_hook(self._make_pre(i)))
             self._handles.append(block.register_forward_hook(self._make_post(i), always_call=True))
+        # A forward of the whole component outside a use(): nothing more will run, so the
+        # layers prefetched for a next pass are released with it.
+        self._handles.append(store.module.register_forward_hook(self._after_root,
+                                                                always_call=True))
 
     # -- placement decisions -------------------------------------------------------
     def _layer_units(self) -> set[int]:
@@ -184,6 +188,11 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
                     with _normal_tensors():
                         self._evict(i)
         return post
+
+    def _after_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._pinned and not self._running:
+            with _normal_tensors():
+                self._evict_except(set())
 
     def _start(self, i: int) -> None:
         unit = self.units[i]

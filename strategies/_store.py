@@ -33,7 +33,10 @@ from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
 __all__ = ["ALIGN", "CHUNK", "Fetch", "Move", "Progress", "StoreError", "StoreReport",
            "TensorStore", "Unit"]
 
-ALIGN = 64  # byte alignment of every storage inside a unit buffer (keeps dtype views legal)
+# Byte alignment of every storage inside a unit buffer: keeps dtype views legal, and GEMM
+# libraries pick the same kernels as for a fresh allocation (they look at pointer alignment).
+ALIGN = 256
+WHOLE = "(component)"  # the unit key of a store made with whole=True
 CHUNK = 256 * 2**20  # bytes per copy batch: progress and cancellation points in between
 Progress = Callable[[int], None]  # told the bytes of each copied chunk
 
@@ -143,11 +146,16 @@ class Move:
         else:
             for unit in self.units:
                 self.store.point_to_host(unit)
+        self._forget_buffers()
+
+    def _forget_buffers(self) -> None:
+        self.store.pending_bytes -= sum(u.nbytes for u, _ in zip(self.units, self.buffers,
+                                                                 strict=False))
         self.buffers.clear()
 
     def rollback(self) -> None:
         """Forget the prepared buffers; mirrors allocated for this move are freed too."""
-        self.buffers.clear()
+        self._forget_buffers()
         for unit in self.new_mirrors:
             self.store.drop_mirror(unit)
 
@@ -163,7 +171,10 @@ class Fetch:
 
     def complete(self) -> None:
         """Order the compute after the copy and re-point the unit's tensors at it."""
-        self.handle.wait()
+        try:
+            self.handle.wait()
+        finally:
+            self.store.pending_bytes -= self.unit.nbytes
         self.store.point_to_device(self.unit, self.buf)
 
 
@@ -171,15 +182,18 @@ class TensorStore:
     """The inventory and placement of one component's tensors.
 
     ``layers``: dotted prefixes (``"blocks.3"``) whose tensors form one unit each; every other
-    storage is a unit of its own.
+    storage is a unit of its own. ``whole``: the whole component is one unit (one host buffer,
+    one device buffer, one copy): for components that always move together.
     """
 
     def __init__(self, name: str, module: nn.Module, layer: DeviceLayer,
-                 layers: Sequence[str] = ()) -> None:
+                 layers: Sequence[str] = (), *, whole: bool = False) -> None:
         self.name = name
         self.module = module
         self.layer = layer
         self.layer_keys = tuple(layers)
+        self.whole = whole
+        self.pending_bytes = 0  # device buffers allocated for moves not committed yet
         self.units: list[Unit] = []
         self.by_key: dict[str, Unit] = {}
         self._inventory()
@@ -250,6 +264,8 @@ class TensorStore:
 
     def _unit_key(self, st: _Storage) -> str:
         """The layer a storage belongs to, or '' when it is not wholly inside one layer."""
+        if self.whole:
+            return WHOLE
         keys = {self._layer_of(n) for s in st.slots for n in s.names}
         return keys.pop() if len(keys) == 1 else ""
 
@@ -385,6 +401,7 @@ class TensorStore:
                 assert unit.where == "host" and unit.host is not None
                 buf = self.layer.alloc(unit.nbytes, "device")
                 move.buffers.append(buf)
+                self.pending_bytes += unit.nbytes
                 pairs.append((buf, unit.host))
             await self._copy(pairs, "device", progress)
         except BaseException:
@@ -421,7 +438,9 @@ class TensorStore:
         """Allocate ``unit``'s device buffer and start copying its mirror in."""
         assert unit.where == "host" and unit.host is not None
         buf = self.layer.alloc(unit.nbytes, "device")
-        return Fetch(self, unit, buf, self.layer.start_copy([(buf, unit.host)], "device"))
+        handle = self.layer.start_copy([(buf, unit.host)], "device")
+        self.pending_bytes += unit.nbytes
+        return Fetch(self, unit, buf, handle)
 
     def evict(self, unit: Unit) -> int:
         """Send ``unit`` back to its mirror now, copying first only if it changed on the
@@ -449,10 +468,11 @@ class TensorStore:
     # -- introspection -------------------------------------------------------------
     @property
     def device_bytes(self) -> int:
-        return sum(u.nbytes for u in self.units if u.where == "device")
+        """Bytes on the device: placed units and buffers of moves in flight."""
+        return sum(u.nbytes for u in self.units if u.where == "device") + self.pending_bytes
 
     def report(self) -> StoreReport:
-        device = sum(u.nbytes for u in self.units if u.where == "device")
+        device = self.device_bytes
         host = sum(u.nbytes for u in self.units if u.host is not None)
         return StoreReport(device, host, host if self.layer.pinned else 0)
 

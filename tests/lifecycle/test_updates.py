@@ -332,3 +332,37 @@ async def test_checksum_is_identical_across_placements() -> None:
         sums.append(ctl.weights_checksum())
     assert all(s == sums[0] for s in sums)
     assert fingerprints(small_pipeline()) != {}  # sanity: helper pipeline is deterministic
+
+
+async def test_fault_at_every_point_of_an_update_whose_mirrors_are_current() -> None:
+    """After a sleep filled the mirrors, a resident update uses them as its backup: a fault
+    while writing the device rolls back from the mirror; a fault while bringing the mirror up
+    to date leaves the update done and the mirror stale, which the next sleep copies."""
+    probe = FaultyDevice()
+    ctl, pipe = await attached("resident", probe)
+    await ctl.sleep()
+    await ctl.wake()
+    state = new_state(pipe["transformer"])
+    copies = probe.copies
+    await ctl.update_weights_from_tensors(state)
+    points = probe.copies - copies
+    assert points >= 2  # device writes, then mirror refresh: no backup copies at all
+    new_sums = ctl.weights_checksum()
+    outcomes = set()
+    for k in range(1, points + 1):
+        layer = FaultyDevice()
+        ctl, pipe = await attached("resident", layer)
+        await ctl.sleep()
+        await ctl.wake()
+        old_sums = ctl.weights_checksum()
+        layer.arm(copy_at=k)
+        result = await ctl.update_weights_from_tensors(state)
+        assert layer.faults == 1
+        assert ctl.weights_checksum() == (new_sums if result.success else old_sums)
+        slept = await ctl.sleep()
+        await ctl.wake()
+        assert ctl.weights_checksum() == (new_sums if result.success else old_sums)
+        if result.success:  # the fault hit the mirror refresh: the sleep copied it instead
+            assert slept.bytes_moved > 0
+        outcomes.add(result.success)
+    assert outcomes == {True, False}
