@@ -1,6 +1,6 @@
 """Sleep/wake throughput: the reference approach, this library, and the bandwidth limit.
 
-    residency bench [--size 1GiB] [--dtype float32|bfloat16]
+    residency bench sleep-wake [--size 1GiB] [--dtype float32|bfloat16]
         [--device cpu|cuda] [--repeats 5] [--malloc keep|release|default] [--json]
 
 Builds a :class:`~lifecycle.demo.DemoPipeline` of ``--size`` bytes and measures, median over
@@ -171,7 +171,7 @@ async def bench_library(pipe: DemoPipeline, device: torch.device, repeats: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="residency bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="residency bench sleep-wake", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="1GiB", help="pipeline weight bytes, e.g. 256MB, 1GiB")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,

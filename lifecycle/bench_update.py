@@ -1,6 +1,6 @@
 """Weight-update throughput: this library, the reference approach, and the bandwidth limit.
 
-    residency bench-update [--size 1GiB] [--dtype float32|bfloat16] [--device cpu|cuda]
+    residency bench update [--size 1GiB] [--dtype float32|bfloat16] [--device cpu|cuda]
         [--repeats 3] [--malloc keep|release|default]
         [--mode resident|component-offload|layerwise-offload] [--json]
 
@@ -172,6 +172,9 @@ async def bench_updates(args: argparse.Namespace, device: torch.device
     ref_ctl = LifecycleController(device, residency="all=resident")
     await ctl.attach(pipe)
     await ref_ctl.attach(ref)
+    if not args.cold:  # an RL loop's steady state: the host mirrors exist (and back updates up)
+        await ctl.sleep()
+        await ctl.wake()
     layer = ctl.device_layer
     tmp = Path(tempfile.mkdtemp(prefix="residency-bench-update-"))
     times: dict[str, list[float]] = {"ours_from_tensors": [], "reference_from_tensors": [],
@@ -255,7 +258,7 @@ async def bench_updates(args: argparse.Namespace, device: torch.device
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="residency bench-update",
+    ap = argparse.ArgumentParser(prog="residency bench update",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="1GiB", help="pipeline weight bytes, e.g. 256MB, 1GiB")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -266,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="glibc malloc policy (CPU host memory); see lifecycle.bench.set_malloc")
     ap.add_argument("--mode", choices=MODES, default="resident",
                     help="residency of the transformer (other components: resident)")
+    ap.add_argument("--cold", action="store_true",
+                    help="update before any sleep (no host mirrors yet: every tensor backed up)")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -297,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({
             "config": {"size": args.size, "nbytes": n, "dtype": args.dtype,
-                       "device": str(device), "mode": args.mode, "repeats": args.repeats,
+                       "device": str(device), "mode": args.mode, "cold": args.cold,
+                       "repeats": args.repeats,
                        "malloc": args.malloc, "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "total_seconds": total_s},
             "results": {k: {"seconds": s, "bytes": n, "gbps": gbps[k], "x_flat_warm": gbps[k] / warm,
@@ -312,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             "correct": correct}, indent=2))
     else:
         print(f"update of {n / 1e9:.3f} GB ({args.dtype}) on {device}, transformer "
-              f"{args.mode}; median of {args.repeats} after a warm-up, "
+              f"{args.mode}, {'cold (no mirrors yet)' if args.cold else 'after a sleep/wake'}; "
+              f"median of {args.repeats} after a warm-up, "
               f"{torch.get_num_threads()} torch threads, malloc {args.malloc}")
         print(f"{'operation':<26}{'seconds':>10}{'GB/s':>9}{'x warm flat':>13}")
         for k, s in seconds.items():

@@ -108,9 +108,20 @@ def _drill(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import main as bench_main
+    from . import bench, bench_update
 
-    return bench_main(args.rest)
+    rest = list(args.rest)
+    which = rest.pop(0) if rest and rest[0] in ("all", "sleep-wake", "update") else "all"
+    if which == "sleep-wake":
+        return bench.main(rest)
+    if which == "update":
+        return bench_update.main(rest)
+    # both, each with the options it knows (--mode belongs to the update benchmark only)
+    common = [a for i, a in enumerate(rest)
+              if a != "--mode" and (i == 0 or rest[i - 1] != "--mode")]
+    first = bench.main(common)
+    print()
+    return first or bench_update.main(rest)
 
 
 def _diagram(args: argparse.Namespace) -> int:
@@ -131,8 +142,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--timeline", metavar="FILE.png", help="draw device/host bytes over time")
     d.add_argument("--log-json", action="store_true", help="structured events as JSON on stderr")
     d.set_defaults(func=_drill)
-    b = sub.add_parser("bench", help="sleep/wake/update benchmark against the reference")
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark (--help)")
+    b = sub.add_parser("bench", help="sleep/wake and update benchmarks against the reference "
+                                     "approach and the bandwidth limit")
+    b.add_argument("rest", nargs=argparse.REMAINDER, metavar="[all|sleep-wake|update] ...",
+                   help="which benchmark (default all) and its options "
+                        "(residency bench sleep-wake --help)")
     b.set_defaults(func=_bench)
     g = sub.add_parser("diagram", help="the lifecycle state machine as Mermaid")
     g.set_defaults(func=_diagram)
@@ -140,6 +154,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and argv[1:2] not in (["-h"], ["--help"]):
+        # The benchmarks parse their own options (argparse cannot pass leading options on).
+        return _bench(argparse.Namespace(rest=argv[1:]))
     args = _parser().parse_args(argv)
     if args.command == "drill" and args.cycles < 0:
         print("residency drill: --cycles must be non-negative", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Weight-update benchmark (also ``python -m lifecycle.bench_update``); see lifecycle/bench_update.py."""
+"""Weight-update benchmark (the same as ``residency bench update``); see lifecycle/bench_update.py."""
 
 import sys
 
