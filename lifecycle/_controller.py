@@ -33,6 +33,7 @@ from strategies import (
     ResidencyConfig,
     ResidencyMode,
     ResidencyStrategy,
+    StoreError,
     build_strategy,
     enable_layerwise_offload,
     is_fsdp_managed,
@@ -374,7 +375,7 @@ class LifecycleController:
         before = self._device_bytes()
         t0 = time.perf_counter()
         if trigger == "sleep":
-            self._resync_structure()
+            self._resync_structure(trigger)
 
         plan = [(c, c.strategy.store.select("device") if trigger == "sleep" else
                  [u for u in c.strategy.awake_units() if u.where == "host"])
@@ -414,14 +415,18 @@ class LifecycleController:
         return OccupationResult(True, self.phase is Phase.SLEEPING, f"{trigger} succeeded",
                                 self.phase, copied, max(0, before - after), seconds)
 
-    def _resync_structure(self) -> None:
-        """Re-inventory components whose tensors were replaced behind our back."""
+    def _resync_structure(self, trigger: str) -> None:
+        """Re-inventory components whose tensors were replaced behind our back; where that
+        cannot be done safely, refuse the transition before anything moves."""
         for c in self._uses.components.values():
             store = c.strategy.store
             if store.structure_changed(deep=False) or store.drifted():
                 _log.warning("store.rescan", component=c.name,
                              drifted=store.drifted()[:8], rank=self.rank)
-                store.rescan()
+                try:
+                    store.rescan()
+                except StoreError as exc:
+                    raise TransitionRejected(trigger, self.phase, str(exc)) from exc
 
     # -- events ------------------------------------------------------------------------
     def _move_event(self, component: str, move: Move, seconds: float) -> None:
@@ -477,10 +482,10 @@ class LifecycleController:
                 return UpdateResult(False, refusal[1], self._version)
             with structlog.contextvars.bound_contextvars(transition=kind,
                                                          transition_id=next(_ids)):
-                self._resync_structure()
                 try:
+                    self._resync_structure(kind)
                     plan = await anyio.to_thread.run_sync(make_plan)
-                except UpdateRefused as exc:
+                except (UpdateRefused, TransitionRejected) as exc:
                     _log.info("transition.rejected", trigger=kind, phase=self.phase.value,
                               reason=str(exc), rank=self.rank)
                     return UpdateResult(False, str(exc), self._version)

@@ -4,13 +4,13 @@
         [--residency "transformer=layerwise-offload,vae=component-offload"] [--fault-every 0]
         [--seed 0] [--malloc keep|release|default] [--no-growth-check] [--trace] [--json]
 
-Prepares two versions, A and B, of a few transformer tensors of a DemoPipeline with their
-reference outputs and checksums (update, generate, checksum). Each cycle: ``generate(ctl=ctl,
-steps=1)`` (every component through ``ctl.use``), sleep, wake, and every 10th cycle an update
-to the other version. ``--fault-every M``: every M-th cycle first fails an operation at a random
-copy, alternately a sleep (after ``mark_dirty``, so that it copies) and an update, and checks the
-rollback: typed failure; phase, report, version, checksums unchanged. (The device layer is always
-``lifecycle.testing``'s fault-injecting one: unarmed, it only counts copies.)
+Prepares versions A and B of a few transformer tensors of a DemoPipeline, with reference outputs
+and checksums. Each cycle: ``generate(ctl=ctl, steps=1)`` (every component through ``ctl.use``),
+sleep, wake, and every 10th cycle an update to the other version. ``--fault-every M``: every M-th
+cycle first fails an operation at a random copy, alternately a sleep (after ``mark_dirty``, so
+that it copies) and an update, and checks the rollback: typed failure; phase, report, version,
+checksums unchanged (or, for an update faulted after its commit point, the whole new version).
+The device layer is always ``lifecycle.testing``'s fault-injecting one (unarmed, it only counts).
 
 Exit 1 on any integrity failure: an output not bit-identical to the current version's, a wrong
 phase, device bytes while asleep (report; CUDA: also the allocator), a lease held between cycles,
@@ -94,28 +94,30 @@ class Soak:
         self.n[phase] += 1
         return result
 
-    async def inject(self, i: int, kind: str, points: int, current: str) -> None:
-        """Fail ``kind`` at a random one of its ``points`` copies; check it rolled back."""
-        ctl, layer = self.ctl, self.layer
-        before = (ctl.phase, ctl.report(), ctl.weights_version)
-        fired = layer.faults
+    async def inject(self, i: int, kind: str, points: int, current: str) -> str:
+        """Fail ``kind`` at a random one of its ``points`` copies; check all or nothing landed (an
+        update absorbs a fault after its commit point, the mirror refresh). Returns the version."""
+        ctl, layer, landed = self.ctl, self.layer, False
+        phase, version, report, fired = ctl.phase, ctl.weights_version, ctl.report(), layer.faults
         layer.arm(copy_at=self.rng.randint(1, points))
         try:  # a faulted sleep raises, a faulted update returns a failure
             if kind == "sleep":
                 ctl.mark_dirty()  # a clean sleep copies nothing, so nothing could fail
                 await ctl.sleep()
-                ok = False
             else:
-                ok = not (await ctl.update_weights_from_tensors(self.versions[OTHER[current]])).success
+                landed = (await ctl.update_weights_from_tensors(self.versions[OTHER[current]])).success
+            ok = kind == "update"
         except TransitionFailed as exc:
             ok = kind == "sleep" and isinstance(exc.cause, InjectedFault)
         layer.arm()  # disarm, had it not fired
-        self.faults[kind] += 1
+        self.faults[kind + " (absorbed)" * landed] += 1
+        now = OTHER[current] if landed else current
         self.check("faults", ok and layer.faults == fired + 1, f"cycle {i}: {kind} fault not raised")
-        self.check("faults", (ctl.phase, ctl.report(), ctl.weights_version) == before,
-                   f"cycle {i}: {kind} fault changed phase, placement or version")
-        self.check("checksums", ctl.weights_checksum() == self.sums[current],
-                   f"cycle {i}: weights changed by a rolled-back {kind}")
+        self.check("faults", (ctl.phase, ctl.weights_version) == (phase, version + landed)
+                   and (landed or ctl.report() == report), f"cycle {i}: {kind} fault left a wrong state")
+        self.check("checksums", ctl.weights_checksum() == self.sums[now],
+                   f"cycle {i}: weights after a faulted {kind} are not version {now}")
+        return now
 
     async def run(self, advance: Callable[[int], object]) -> dict[str, Any]:
         args = self.args
@@ -148,7 +150,7 @@ class Soak:
             self.check("outputs", torch.equal(out, refs[current]), f"cycle {i}: output != {current}")
             self.check("phases", ctl.phase is Phase.AWAKE, f"cycle {i}: {ctl.phase} after generate")
             if args.fault_every and i % args.fault_every == 0 and kinds:
-                await self.inject(i, *kinds[sum(self.faults.values()) % len(kinds)], current)
+                current = await self.inject(i, *kinds[sum(self.faults.values()) % len(kinds)], current)
             r = await self.timed("sleep", ctl.sleep)
             self.check("phases", r.success and ctl.phase is Phase.SLEEPING, f"cycle {i}: sleep {r}")
             rep = ctl.report()

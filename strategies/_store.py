@@ -3,8 +3,9 @@
 A :class:`TensorStore` takes inventory of a module once: every parameter and buffer
 (persistent or not), each tensor object once (tied weights), grouped by the storage they
 share (views), grouped again into *units* that move together. A unit is one storage for the
-resident and offload strategies (each tensor keeps a storage of its own, as usual in torch)
-or one whole layer for layerwise offload (one flat buffer, so one copy moves a layer).
+resident strategy (each tensor keeps a storage of its own on the device, as usual in torch,
+so users' state dicts look as before), the whole component for the offload strategies, and
+one layer for layerwise offload (one flat buffer, so one copy moves a whole layer).
 
 Every unit has a host mirror, allocated the first time it is needed and reused for the life
 of the store (pinned on CUDA). Tensor objects never change identity: placement is changed by
@@ -111,10 +112,6 @@ class Unit:
         if not self.mirror_current:
             return True
         return any(s.tensor._version != s.version for s in self.slot_list)
-
-    def drifted(self) -> list[str]:
-        """Names of tensors re-pointed behind the store's back (``p.data = other``)."""
-        return [s.names[0] for s in self.slot_list if s.tensor.data_ptr() != s.ptr]
 
 
 @dataclass(frozen=True)
@@ -304,6 +301,7 @@ class TensorStore:
             slot.version = -1
 
     def drifted(self) -> list[str]:
+        """Names of tensors re-pointed behind the store's back (``p.data = other``)."""
         return [s.names[0] for s in self._all_slots if s.tensor.data_ptr() != s.ptr]
 
     def mark_dirty(self) -> None:

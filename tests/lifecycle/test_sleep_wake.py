@@ -166,3 +166,19 @@ async def test_detach_then_reattach_round_trips_the_weights() -> None:
     await ctl2.sleep()
     await ctl2.wake()
     assert fingerprints(pipe) == expected
+
+
+async def test_parameter_replaced_while_offloaded_is_a_typed_refusal() -> None:
+    """Replacing a tensor of a component that lives on the host is refused at the next
+    sleep with a TransitionRejected naming the component; nothing moves."""
+    from lifecycle import TransitionRejected
+
+    pipe = small_pipeline()
+    ctl = LifecycleController("cpu", residency="vae=component-offload")
+    await ctl.attach(pipe)
+    pipe["vae"][0].weight = nn.Parameter(torch.zeros_like(pipe["vae"][0].weight))
+    before = ctl.report()
+    with pytest.raises(TransitionRejected, match="component 'vae' changed structure while "
+                                                 "offloaded"):
+        await ctl.sleep()
+    assert ctl.report() == before and ctl.phase is Phase.AWAKE
