@@ -42,6 +42,7 @@ from strategies import (
 )
 from strategies._guard import ComputeGuard
 from strategies._layerwise import disable_layerwise_offload
+from strategies._store import forget_locals
 
 from ._admission import Admission
 from ._errors import (
@@ -203,6 +204,7 @@ class LifecycleController:
         except BaseException as exc:
             for move in reversed(moves):
                 move.rollback()
+            forget_locals(exc)
             _log.warning("transition.rolled_back", trigger=trigger, phase=self.phase.value,
                          error=f"{type(exc).__name__}: {exc}", rank=self.rank)
             if isinstance(exc, Exception):
@@ -502,6 +504,7 @@ class LifecycleController:
         try:
             written = await apply_plan(plan, self._layer)
         except Exception as exc:
+            forget_locals(exc)  # the backups, now restored, must not outlive the call
             _log.warning("transition.rolled_back", trigger=kind, phase=self.phase.value,
                          error=f"{type(exc).__name__}: {exc}", rank=self.rank)
             return UpdateResult(False, f"update failed and was rolled back; weights are "

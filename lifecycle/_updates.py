@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from strategies import DeviceLayer, TensorStore
-from strategies._store import Unit, _Slot
+from strategies._store import Unit, _Slot, forget_locals
 
 from ._events import get_logger
 
@@ -323,7 +323,8 @@ async def apply_plan(plan: UpdatePlan, layer: DeviceLayer) -> int:
             sources = await anyio.to_thread.run_sync(_load_chunk, chunk)
             written += len(chunk)
             await _copy(layer, [(_live(w), src) for w, src in zip(chunk, sources, strict=True)])
-    except BaseException:
+    except BaseException as exc:
+        forget_locals(exc)  # frames that held sources and backups
         with anyio.CancelScope(shield=True):
             done = writes[:written]
             await _copy(layer, [(_live(w), backups.get(id(w), w.slot.host_view))  # type: ignore[misc]

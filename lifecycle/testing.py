@@ -15,6 +15,7 @@ every copy and allocation so a test can enumerate every failure point::
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +43,15 @@ class FaultInjection(DeviceLayer):
         self.fail_alloc_at = fail_alloc_at
         self.copy_delay = copy_delay
         self.faults = 0
+        self._device_buffers: list[weakref.ref[torch.Tensor]] = []
+
+    @property
+    def live_device_bytes(self) -> int:
+        """Bytes of device buffers this layer allocated that are still alive (whatever the
+        report says): a leak check that needs no allocator statistics."""
+        alive = [(r, t) for r in self._device_buffers if (t := r()) is not None]
+        self._device_buffers = [r for r, _ in alive]
+        return sum(t.nbytes for _, t in alive)
 
     def arm(self, *, copy_at: int | None = None, alloc_at: int | None = None) -> None:
         """Fail the ``copy_at``-th / ``alloc_at``-th operation from now on (1 = the next)."""
@@ -53,7 +63,10 @@ class FaultInjection(DeviceLayer):
             self.faults += 1
             self.fail_alloc_at = None
             raise InjectedFault(f"injected allocation failure ({tier}, {nbytes} bytes)")
-        return super()._alloc(nbytes, tier, pinned)
+        buf = super()._alloc(nbytes, tier, pinned)
+        if tier == "device":
+            self._device_buffers.append(weakref.ref(buf))
+        return buf
 
     def _copy_one(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.copy_delay:

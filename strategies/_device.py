@@ -135,11 +135,13 @@ class DeviceLayer:
         dst.copy_(src, non_blocking=self.pinned)
 
     def _copy_batch(self, pairs: list[CopyPair]) -> None:
-        for dst, src in pairs:
-            self._copy_one(dst, src)
-        # Worker threads keep their last arguments alive for a while: drop the buffers now,
-        # so a released buffer is really freed when the move says so.
-        pairs.clear()
+        try:
+            for dst, src in pairs:
+                self._copy_one(dst, src)
+        finally:
+            # Worker threads (and a failure's traceback) keep their arguments alive for a
+            # while: drop the buffers now, so a released buffer is freed when the move says so.
+            pairs.clear()
 
     def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
         """Start copying every pair in the background; returns at once (forward hooks)."""

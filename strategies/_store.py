@@ -23,6 +23,7 @@ counter; call :meth:`TensorStore.mark_dirty` after such writes.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ from torch import nn
 from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
 
 __all__ = ["ALIGN", "CHUNK", "Fetch", "Move", "Progress", "StoreError", "StoreReport",
-           "TensorStore", "Unit"]
+           "TensorStore", "Unit", "forget_locals"]
 
 # Byte alignment of every storage inside a unit buffer: keeps dtype views legal, and GEMM
 # libraries pick the same kernels as for a fresh allocation (they look at pointer alignment).
@@ -44,6 +45,15 @@ Progress = Callable[[int], None]  # told the bytes of each copied chunk
 
 class StoreError(ValueError):
     """A module's tensors cannot be managed (meta, sparse, on a foreign device, drifted)."""
+
+
+def forget_locals(exc: BaseException) -> None:
+    """Drop the local variables of the frames ``exc`` passed through (file and line stay).
+
+    A failed copy's traceback holds the frames that held the copy's buffers, and exceptions
+    sit in reference cycles (anyio's futures, task groups) that only the cyclic collector
+    breaks: without this, device memory a rollback released stays allocated until then."""
+    traceback.clear_frames(exc.__traceback__)
 
 
 def _align(n: int) -> int:
@@ -402,8 +412,9 @@ class TensorStore:
                 self.pending_bytes += unit.nbytes
                 pairs.append((buf, unit.host))
             await self._copy(pairs, "device", progress)
-        except BaseException:
+        except BaseException as exc:
             move.rollback()
+            forget_locals(exc)
             raise
         move.bytes_copied = sum(u.nbytes for u in move.units)
         return move
@@ -426,8 +437,9 @@ class TensorStore:
                     raise StoreError(f"unit {unit.key!r} of component {self.name!r} has no "
                                      "current host copy to fall back to")
             await self._copy(pairs, "host", progress)
-        except BaseException:
+        except BaseException as exc:
             move.rollback()
+            forget_locals(exc)
             raise
         return move
 

@@ -189,3 +189,30 @@ async def test_concurrent_callers_are_serialised_and_all_answered() -> None:
     assert ctl.phase is results[-1].phase
     await ctl.wake()
     assert fingerprints(pipe) == sums
+
+
+@pytest.mark.parametrize("target", ["sleep", "wake", "update"])
+async def test_rolled_back_buffers_are_freed_at_once_not_by_the_garbage_collector(
+        target: str) -> None:
+    """With the cyclic collector off, the device buffers of a failed move (and an update's
+    backups) are gone as soon as the call returns: a traceback must not pin them."""
+    import gc
+
+    layer = FaultyDevice()
+    ctl, pipe = await start([sleep_, wake_] if target != "wake" else [sleep_], layer)
+    gc.collect()
+    gc.disable()
+    try:
+        if target == "update":
+            layer.arm(copy_at=3)
+            state = {k: v + 1 for k, v in pipe["transformer"].state_dict().items()}
+            assert not (await ctl.update_weights_from_tensors(state)).success
+        else:
+            layer.arm(copy_at=3)
+            with pytest.raises(TransitionFailed):
+                await (ctl.sleep() if target == "sleep" else ctl.wake())
+        assert layer.live_device_bytes == ctl.report().device_bytes
+        await ctl.sleep()
+        assert layer.live_device_bytes == 0
+    finally:
+        gc.enable()
