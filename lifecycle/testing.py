@@ -43,15 +43,15 @@ class FaultInjection(DeviceLayer):
         self.fail_alloc_at = fail_alloc_at
         self.copy_delay = copy_delay
         self.faults = 0
-        self._device_buffers: list[weakref.ref[torch.Tensor]] = []
+        # id -> weak reference, removed by the reference's callback when the buffer dies
+        self._device_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
 
     @property
     def live_device_bytes(self) -> int:
         """Bytes of device buffers this layer allocated that are still alive (whatever the
         report says): a leak check that needs no allocator statistics."""
-        alive = [(r, t) for r in self._device_buffers if (t := r()) is not None]
-        self._device_buffers = [r for r, _ in alive]
-        return sum(t.nbytes for _, t in alive)
+        return sum(t.nbytes for r in list(self._device_buffers.values())
+                   if (t := r()) is not None)
 
     def arm(self, *, copy_at: int | None = None, alloc_at: int | None = None) -> None:
         """Fail the ``copy_at``-th / ``alloc_at``-th operation from now on (1 = the next)."""
@@ -65,7 +65,9 @@ class FaultInjection(DeviceLayer):
             raise InjectedFault(f"injected allocation failure ({tier}, {nbytes} bytes)")
         buf = super()._alloc(nbytes, tier, pinned)
         if tier == "device":
-            self._device_buffers.append(weakref.ref(buf))
+            key = id(buf)
+            self._device_buffers[key] = weakref.ref(
+                buf, lambda _, key=key: self._device_buffers.pop(key, None))  # type: ignore[misc]
         return buf
 
     def _copy_one(self, dst: torch.Tensor, src: torch.Tensor) -> None:
