@@ -170,22 +170,34 @@ async def bench_library(pipe: DemoPipeline, device: torch.device, repeats: int,
     return {k: statistics.median(v) for k, v in times.items()}, moved, ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="residency bench sleep-wake", description=__doc__.split("\n\n")[0])
+def bench_parser(prog: str, description: str, repeats: int) -> argparse.ArgumentParser:
+    """The options every benchmark takes: size, dtype, device, repeats, malloc, json."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--size", default="1GiB", help="pipeline weight bytes, e.g. 256MB, 1GiB")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="default: cuda when available")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--malloc", choices=["keep", "release", "default"], default="keep",
-                    help="glibc malloc policy (CPU host memory); see set_malloc")
+                    help="glibc malloc policy (CPU host memory); see lifecycle.bench.set_malloc")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def bench_setup(args: argparse.Namespace) -> torch.device:
+    """Apply the common options; returns the device to measure on."""
     set_malloc(args.malloc)
     configure_logging(json=True, level="warning")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_parser("residency bench sleep-wake", __doc__.split("\n\n")[0], repeats=5)
+    args = ap.parse_args(argv)
+    device = bench_setup(args)
 
     t0 = time.perf_counter()
     pipe = DemoPipeline.build(parse_size(args.size), dtype=DTYPES[args.dtype])

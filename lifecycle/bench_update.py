@@ -49,8 +49,7 @@ import torch
 from torch import nn
 
 from ._controller import LifecycleController
-from ._events import configure_logging
-from .bench import DTYPES, bench_flat, set_malloc, sync, timed
+from .bench import DTYPES, bench_flat, bench_parser, bench_setup, sync, timed
 from .demo import DemoPipeline, parse_size
 
 __all__ = ["main"]
@@ -258,28 +257,15 @@ async def bench_updates(args: argparse.Namespace, device: torch.device
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="residency bench update",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="1GiB", help="pipeline weight bytes, e.g. 256MB, 1GiB")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                    help="default: cuda when available")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--malloc", choices=["keep", "release", "default"], default="keep",
-                    help="glibc malloc policy (CPU host memory); see lifecycle.bench.set_malloc")
+    ap = bench_parser("residency bench update", __doc__.split("\n\n")[0], repeats=3)
     ap.add_argument("--mode", choices=MODES, default="resident",
                     help="residency of the transformer (other components: resident)")
     ap.add_argument("--cold", action="store_true",
                     help="update before any sleep (no host mirrors yet: every tensor backed up)")
-    ap.add_argument("--json", action="store_true", help="print one JSON document")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    set_malloc(args.malloc)
-    configure_logging(json=True, level="warning")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = bench_setup(args)
 
     t0 = time.perf_counter()
     samples, n, info = anyio.run(bench_updates, args, device)
