@@ -21,9 +21,10 @@ controller is given; the same weights and seed give a bit-identical image.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -372,6 +373,8 @@ class UsesComponents(Protocol):
 
     def use(self, name: str) -> AbstractAsyncContextManager[Any]: ...
 
+    def request(self, order: Sequence[str]) -> AbstractAsyncContextManager[None]: ...
+
 
 def _device_of(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
@@ -461,16 +464,19 @@ class DemoPipeline:
         """Encode ``prompt_ids`` (default: a fixed 16-token prompt), denoise a seeded
         1 x 4 x 8 x 8 latent for ``steps`` steps, decode: a 1 x 3 x 32 x 32 float32 image.
 
-        Each component runs inside ``ctl.use(name)`` when ``ctl`` is given. Inference mode
+        Each component runs inside ``ctl.use(name)``, all within one ``ctl.request``, when
+        ``ctl`` is given (so the next component moves in while one runs). Inference mode
         is entered around each forward only, never across an ``await``: it is thread-local
         state, and tensors a controller allocates while it is on would become inference
         tensors that cannot be updated in place later."""
-        async with self._use(ctl, "text_encoder") as module:
-            text = self._encode(module, prompt_ids)
-        async with self._use(ctl, "transformer") as module:
-            latent = self._denoise(module, text, steps, seed)
-        async with self._use(ctl, "vae") as module:
-            return self._decode(module, latent)
+        plan = ctl.request(self.COMPONENTS) if ctl is not None else contextlib.nullcontext()
+        async with plan:  # the next component moves in while the current one runs
+            async with self._use(ctl, "text_encoder") as module:
+                text = self._encode(module, prompt_ids)
+            async with self._use(ctl, "transformer") as module:
+                latent = self._denoise(module, text, steps, seed)
+            async with self._use(ctl, "vae") as module:
+                return self._decode(module, latent)
 
     def forward_sync(self, steps: int = 2, seed: int = 0) -> torch.Tensor:
         """:meth:`generate` on the modules directly, without a controller (benchmarks)."""
