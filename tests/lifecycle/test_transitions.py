@@ -230,3 +230,52 @@ async def test_detach_undoes_what_attach_enabled_so_reattach_follows_the_new_con
     assert again.strategy("text_encoder").mode.value == "resident"
     assert again.report().components["text_encoder"].device_bytes == \
         again.report().components["text_encoder"].total_bytes
+
+
+@pytest.mark.parametrize("trigger", ["sleep", "wake", "attach", "detach", "update"])
+async def test_calls_during_an_update_wait_their_turn_then_see_awake(trigger: str) -> None:
+    """While UPDATING_WEIGHTS, every other call waits for the update to finish and then gets
+    the outcome it would get in AWAKE; the update itself completes untouched."""
+    import anyio
+
+    from lifecycle.testing import FaultyDevice
+
+    layer = FaultyDevice(copy_delay=0.002)
+    pipe = small_pipeline()
+    ctl = LifecycleController(device_layer=layer)
+    await ctl.attach(pipe)
+    state = {k: v + 1 for k, v in pipe["transformer"].state_dict().items()}
+    seen: dict[str, Any] = {}
+
+    async def updater() -> None:
+        seen["update"] = await ctl.update_weights_from_tensors(state)
+
+    async def other() -> None:
+        with anyio.fail_after(10):
+            while ctl.phase is not Phase.UPDATING_WEIGHTS:
+                await anyio.sleep(0.0005)
+        seen["phase while waiting"] = ctl.phase
+        try:
+            if trigger == "update":
+                seen["result"] = await ctl.update_weights_from_tensors(state)
+            else:
+                seen["result"] = await call(ctl, trigger)
+        except TransitionRejected as exc:
+            seen["result"] = exc
+        seen["version when answered"] = ctl.weights_version
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(updater)
+        tg.start_soon(other)
+    assert seen["update"].success and seen["phase while waiting"] is Phase.UPDATING_WEIGHTS
+    assert seen["version when answered"] >= 1  # answered only after the update committed
+    expected = TABLE[(Phase.AWAKE, trigger)] if trigger != "update" else None
+    result = seen["result"]
+    if expected is None:
+        assert result.success and result.version == 2
+    elif expected[0] == "raises":
+        assert isinstance(result, expected[1]) and str(result) == expected[2]
+    elif expected[0] == "result":
+        assert (result.success, result.message) == expected[1:3]
+    else:
+        assert result is expected[1]
