@@ -95,7 +95,7 @@ def _check_targets(stores: Mapping[str, TensorStore], targets: Sequence[str]) ->
 
 
 def _slots_by_name(store: TensorStore) -> dict[str, tuple[_Slot, Unit]]:
-    return {n: (slot, unit) for unit in store.units for slot in unit.slots() for n in slot.names}
+    return {n: (slot, unit) for unit in store.units for slot in unit.slot_list for n in slot.names}
 
 
 class _Planner:

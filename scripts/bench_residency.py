@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import anyio
 import structlog
@@ -32,13 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from lifecycle import LifecycleController  # noqa: E402
-from lifecycle.bench import set_malloc  # noqa: E402
-from strategies import ResidencyConfig  # noqa: E402
+from lifecycle import LifecycleController
+from lifecycle.bench import set_malloc, sync, timed
+from strategies import ResidencyConfig
 
 MiB = 2**20
 MODES: dict[str, tuple[str, dict[str, str]]] = {  # name -> (mode, layerwise tuning)
@@ -78,19 +73,6 @@ class DiT(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.out(h)  # type: ignore[no-any-return]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
 
 
 async def timed_use(ctl: LifecycleController, model: DiT, x: torch.Tensor, device: torch.device) -> float:

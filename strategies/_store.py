@@ -114,9 +114,6 @@ class Unit:
     def __post_init__(self) -> None:
         self.slot_list = [slot for st in self.storages for slot in st.slots]
 
-    def slots(self) -> list[_Slot]:
-        return self.slot_list
-
     def dirty(self) -> bool:
         """Whether the mirror may differ from the device bytes."""
         if not self.mirror_current:
@@ -249,9 +246,9 @@ class TensorStore:
         self.by_key = {u.key: u for u in self.units}
         self._all_slots = [slot for u in self.units for slot in u.slot_list]
         for u in self.units:
-            on_device = all(s.tensor.device == self.layer.device for s in u.slots())
+            on_device = all(s.tensor.device == self.layer.device for s in u.slot_list)
             u.where = "device" if on_device else "host"
-            for slot in u.slots():
+            for slot in u.slot_list:
                 slot.record()
 
     def _check_tensor(self, name: str, t: torch.Tensor) -> None:
@@ -337,7 +334,7 @@ class TensorStore:
             raise AssertionError("cannot drop the mirror of a unit that lives on the host")
         unit.host = None
         unit.mirror_current = False
-        for slot in unit.slots():
+        for slot in unit.slot_list:
             slot.host_view = None
 
     async def adopt(self) -> int:
@@ -492,5 +489,5 @@ class TensorStore:
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor once, under its first name, sorted by name."""
-        return sorted(((s.names[0], s.tensor) for u in self.units for s in u.slots()),
+        return sorted(((s.names[0], s.tensor) for u in self.units for s in u.slot_list),
                       key=lambda nt: nt[0])
