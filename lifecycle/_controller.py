@@ -28,6 +28,7 @@ from torch import nn
 from transitions import Machine
 
 from strategies import (
+    ComponentResidencyError,
     DeviceLayer,
     Move,
     ResidencyConfig,
@@ -38,6 +39,7 @@ from strategies import (
     enable_layerwise_offload,
     is_fsdp_managed,
     is_layerwise_offloaded,
+    layerwise_blocks,
     make_device_layer,
 )
 from strategies._guard import ComputeGuard
@@ -266,8 +268,21 @@ class LifecycleController:
         components: dict[str, Component] = {}
         try:
             for name, module in found.items():
-                if self.config.mode_for(name) is ResidencyMode.LAYERWISE_OFFLOAD \
-                        and not is_layerwise_offloaded(module):
+                if self.config.mode_for(name) is not ResidencyMode.LAYERWISE_OFFLOAD:
+                    continue
+                lists = self.config.layers_for(name)
+                if is_layerwise_offloaded(module):
+                    if lists is not None and tuple(lists) != layerwise_blocks(module):
+                        raise ComponentResidencyError(
+                            f"Component {name!r} was loaded streaming block lists "
+                            f"{list(layerwise_blocks(module))}, but layers names {list(lists)}")
+                elif lists is not None:
+                    try:
+                        enable_layerwise_offload(module, lists)
+                    except ValueError as exc:
+                        raise ComponentResidencyError(f"Component {name!r}: {exc}") from None
+                    enabled.append(module)
+                else:
                     with contextlib.suppress(ValueError):  # build_strategy says why not
                         enable_layerwise_offload(module)
                         enabled.append(module)
@@ -422,7 +437,7 @@ class LifecycleController:
         cannot be done safely, refuse the transition before anything moves."""
         for c in self._uses.components.values():
             store = c.strategy.store
-            if store.structure_changed(deep=False) or store.drifted():
+            if store.structure_changed() or store.drifted():
                 _log.warning("store.rescan", component=c.name,
                              drifted=store.drifted()[:8], rank=self.rank)
                 try:
@@ -511,6 +526,9 @@ class LifecycleController:
                                 f"unchanged: {type(exc).__name__}: {exc}", before)
         finally:
             self._commit_phase("end_update")
+        for name in plan.components:  # weight_norm weights: recomputed from the new values
+            store = self._component(name).strategy.store
+            store.refresh_derived(store.units)
         self._version += 1
         seconds = time.perf_counter() - t0
         if plan.casts:

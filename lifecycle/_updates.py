@@ -105,7 +105,11 @@ class _Planner:
         self.stores = stores
         self.plan = UpdatePlan([], ())
         self._index: dict[str, dict[str, tuple[_Slot, Unit]]] = {}
-        self._seen: dict[int, str] = {}
+        self._seen: dict[int, tuple[str, Callable[[], torch.Tensor]]] = {}
+        # (first name, its loader, second name, its loader, model dtype): one tensor given
+        # under two tied names (T5's `shared.weight` / `encoder.embed_tokens.weight`).
+        self._tied: list[tuple[str, Callable[[], torch.Tensor], str,
+                               Callable[[], torch.Tensor], torch.dtype]] = []
         self.unknown: list[str] = []
 
     def add(self, component: str, name: str, shape: Sequence[int], dtype: torch.dtype,
@@ -120,10 +124,15 @@ class _Planner:
         if tuple(shape) != tuple(model.shape):
             raise UpdateRefused(f"Shape mismatch for {name}: model={_shape(model.shape)}, "
                                 f"loaded={_shape(shape)}")
+        label = f"{component}.{name}"
         if id(slot) in self._seen:
-            raise UpdateRefused(f"tensor {component}.{name} is given twice (also as "
-                                f"{self._seen[id(slot)]})")
-        self._seen[id(slot)] = f"{component}.{name}"
+            first, first_load = self._seen[id(slot)]
+            if first == label:
+                raise UpdateRefused(f"tensor {label} is given twice")
+            # Tied names of one tensor: written once, if the values agree (checked in finish).
+            self._tied.append((first, first_load, label, load, model.dtype))
+            return
+        self._seen[id(slot)] = (label, load)
         if dtype != model.dtype:
             self.plan.casts.append(f"{component}.{name}: {dtype} -> {model.dtype}")
         self.plan.writes.append(_Write(component, name, slot, unit, load, model.nbytes))
@@ -135,6 +144,11 @@ class _Planner:
             self.plan.close()
             raise UpdateRefused(f"{len(shown)} key(s) match no parameter or buffer: "
                                 f"{shown[:20]}{more}; nothing was updated")
+        for first, first_load, second, load, dtype in self._tied:
+            if not torch.equal(first_load().to(dtype), load().to(dtype)):
+                self.plan.close()
+                raise UpdateRefused(f"{first} and {second} are tied (one tensor) but are given "
+                                    "different values; nothing was updated")
         self.plan.components = tuple(components)
         return self.plan
 

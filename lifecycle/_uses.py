@@ -71,10 +71,6 @@ class _Request:
     started: set[str] = field(default_factory=set)
 
 
-_request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
-    "residency_request", default=None)
-
-
 class Uses:
     """Leases, placement around uses, and request-level prefetch for one controller."""
 
@@ -88,6 +84,10 @@ class Uses:
         self.components: dict[str, Component] = {}
         self.auto_wake = False
         self.prefetch_components = True
+        # The request this task is in, *for this controller*: one variable per controller,
+        # so a use of another controller inside our request is none of our business.
+        self._request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
+            f"residency_request_{id(self):x}", default=None)
 
     def component(self, name: str) -> Component:
         try:
@@ -172,11 +172,11 @@ class Uses:
         try:
             async with anyio.create_task_group() as tg:
                 req = _Request(tuple(order), tg)
-                token = _request.set(req)
+                token = self._request.set(req)
                 try:
                     yield
                 finally:
-                    _request.reset(token)
+                    self._request.reset(token)
                     with anyio.CancelScope(shield=True):
                         await self._stop_prefetches(req.started)
         except BaseExceptionGroup as group:
@@ -187,7 +187,7 @@ class Uses:
             raise
 
     def _prefetch_next(self, name: str) -> None:
-        req = _request.get()
+        req = self._request.get()
         if req is None or not self.prefetch_components:
             return
         try:

@@ -14,6 +14,7 @@ every copy and allocation so a test can enumerate every failure point::
 
 from __future__ import annotations
 
+import random
 import time
 import weakref
 from typing import Any
@@ -32,16 +33,21 @@ class InjectedFault(RuntimeError):
 
 class FaultInjection(DeviceLayer):
     """Mixin for a device layer: fails the ``fail_copy_at``-th copy or the
-    ``fail_alloc_at``-th allocation (1-based, counted over the layer's life) and sleeps
-    ``copy_delay`` seconds in every copy. Copies before the failing one really happen: the
-    failure is a real partial move."""
+    ``fail_alloc_at``-th allocation (1-based, counted over the layer's life), sleeps
+    ``copy_delay`` seconds in every copy and ``alloc_delay`` in every allocation, each plus
+    up to ``jitter`` seconds at random (seeded by ``seed``): races show up. Copies before the
+    failing one really happen: the failure is a real partial move."""
 
     def __init__(self, *args: Any, fail_copy_at: int | None = None,
-                 fail_alloc_at: int | None = None, copy_delay: float = 0.0) -> None:
+                 fail_alloc_at: int | None = None, copy_delay: float = 0.0,
+                 alloc_delay: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
         super().__init__(*args)
         self.fail_copy_at = fail_copy_at
         self.fail_alloc_at = fail_alloc_at
         self.copy_delay = copy_delay
+        self.alloc_delay = alloc_delay
+        self.jitter = jitter  # up to this many seconds more, at random, for each delay
+        self._random = random.Random(seed)
         self.faults = 0
         # id -> weak reference, removed by the reference's callback when the buffer dies
         self._device_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
@@ -58,7 +64,12 @@ class FaultInjection(DeviceLayer):
         self.fail_copy_at = None if copy_at is None else self.copies + copy_at
         self.fail_alloc_at = None if alloc_at is None else self.allocations + alloc_at
 
+    def _delay(self, seconds: float) -> None:
+        if seconds or self.jitter:
+            time.sleep(seconds + self._random.uniform(0.0, self.jitter))
+
     def _alloc(self, nbytes: int, tier: Tier, pinned: bool) -> torch.Tensor:
+        self._delay(self.alloc_delay)
         if self.allocations == self.fail_alloc_at:
             self.faults += 1
             self.fail_alloc_at = None
@@ -71,8 +82,7 @@ class FaultInjection(DeviceLayer):
         return buf
 
     def _copy_one(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.copy_delay:
-            time.sleep(self.copy_delay)
+        self._delay(self.copy_delay)
         if self.copies + 1 == self.fail_copy_at:
             self.faults += 1
             self.fail_copy_at = None
@@ -84,9 +94,10 @@ class FaultyDevice(FaultInjection, CpuDevice):
     """The CPU device layer with fault injection."""
 
     def __init__(self, device: torch.device | None = None, *, fail_copy_at: int | None = None,
-                 fail_alloc_at: int | None = None, copy_delay: float = 0.0) -> None:
+                 fail_alloc_at: int | None = None, copy_delay: float = 0.0,
+                 alloc_delay: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
         super().__init__(device, fail_copy_at=fail_copy_at, fail_alloc_at=fail_alloc_at,
-                         copy_delay=copy_delay)
+                         copy_delay=copy_delay, alloc_delay=alloc_delay, jitter=jitter, seed=seed)
 
 
 class FaultyCudaDevice(FaultInjection, CudaDevice):  # pragma: no cover - CUDA only

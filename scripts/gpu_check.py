@@ -10,7 +10,9 @@ Checks, each PASS/FAIL with numbers:
    x largest layer during a forward, with outputs identical to resident;
 4. an update from tensors and from disk is atomic under an injected fault (checksums equal
    before/after) and correct when it succeeds;
-5. the residency benchmark (latency per mode) and the update benchmark.
+5. the residency benchmark (latency per mode) and the update benchmark;
+6. four threads forwarding one layerwise component at once: exact outputs, no buffer in flight
+   or left allocated after the use.
 
 Results go to stdout and, as JSON, to ``--out`` (``$OUT`` on the device machine).
 """
@@ -134,6 +136,43 @@ async def updates(size: int, device: torch.device, tmp: Path) -> None:
     await ctl.detach()
 
 
+async def concurrent_layerwise(size: int, device: torch.device) -> None:
+    """Four threads forwarding one layerwise component inside one use (the diffusers adapter
+    runs pipelines in worker threads): outputs exact, nothing in flight or left allocated
+    after the use, and a sleep releases every byte."""
+    import anyio.to_thread
+
+    pipe = DemoPipeline.build(size)
+    ctl = LifecycleController(device, residency="transformer=layerwise-offload",
+                              prefetch_components=False)
+    await ctl.attach(pipe)
+    expected = pipe.forward_sync()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    base = allocated(device)
+    outs: list[torch.Tensor] = []
+
+    async def one() -> None:
+        outs.append(await anyio.to_thread.run_sync(pipe.forward_sync))
+
+    async with ctl.use("transformer"):
+        for _ in range(5):
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(one)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    after_use = allocated(device)
+    pending = ctl.strategy("transformer").store.pending_bytes
+    await ctl.sleep()
+    asleep = allocated(device)
+    await ctl.wake()
+    check("layerwise concurrent forwards", all(torch.equal(o, expected) for o in outs)
+          and pending == 0 and (device.type != "cuda" or (after_use <= base and asleep < base)),
+          forwards=len(outs), base=base, after_use=after_use, asleep=asleep, pending=pending)
+    await ctl.detach()
+
+
 def run_script(name: str, args: list[str], timeout: int) -> None:
     root = Path(__file__).resolve().parent
     t0 = time.perf_counter()
@@ -163,6 +202,7 @@ def main() -> int:
     RESULTS["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     anyio.run(sleep_wake, size, device)
     anyio.run(layerwise, min(size, parse_size("2GiB")), device)
+    anyio.run(concurrent_layerwise, min(size, parse_size("256MiB")), device)
     anyio.run(updates, min(size, parse_size("1GiB")), device, out / "ckpt")
     if not args.skip_bench:
         dev = ["--device", device.type]

@@ -22,6 +22,7 @@ from ._factory import ComponentResidencyError, build_strategy, is_fsdp_managed
 from ._guard import ComputeGuard
 from ._layerwise import (
     LayerwiseOffloadStrategy,
+    detect_block_lists,
     enable_layerwise_offload,
     is_layerwise_offloaded,
     layerwise_blocks,
@@ -55,6 +56,7 @@ __all__ = [
     "TensorStore",
     "Unit",
     "build_strategy",
+    "detect_block_lists",
     "enable_layerwise_offload",
     "group_of",
     "is_fsdp_managed",

@@ -208,7 +208,9 @@ def _selector_map(
     """Normalise selectors, refuse duplicates and convert every value, all before returning."""
     result: dict[str, _T] = {}
     spelled: dict[str, str] = {}
-    for raw_selector, raw_value in _entries(value, option):
+    pairs = value if option == _LAYERS_OPTION else _entries(value, option)
+    assert isinstance(pairs, list)
+    for raw_selector, raw_value in pairs:
         selector = _normalise_selector(raw_selector)
         if not selector:
             raise ValueError(f"{option} selector cannot be empty")
@@ -253,6 +255,51 @@ def _to_policy(selector: str, raw: object) -> str:
     return _check_policy(str(raw).strip().lower(), selector)
 
 
+_LAYERS_OPTION = "layers"
+
+
+def _layer_entries(value: object) -> list[tuple[str, object]]:
+    """``layers`` entries: like the other maps, but a value may name several block lists.
+
+    In a string, an entry without ``=`` continues the previous selector's list, so
+    ``"transformer=transformer_blocks,single_transformer_blocks,vae=decoder.up_blocks"``
+    reads as written; ``+`` also separates names. A mapping's value may be a list."""
+    if isinstance(value, str) and not value.strip().startswith("{"):
+        pairs: list[tuple[str, object]] = []
+        for piece in (p.strip() for p in value.split(",")):
+            if not piece:
+                continue
+            if "=" in piece:
+                pairs.append(_split_entry(piece, _LAYERS_OPTION))
+            elif pairs:
+                selector, names = pairs[-1]
+                pairs[-1] = (selector, f"{names}+{piece}")
+            else:
+                raise ValueError(f"layers must start with COMPONENT=BLOCK_LIST, got {piece!r}")
+        return pairs
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return _layer_entries(",".join(value))
+    return _entries(value, _LAYERS_OPTION)
+
+
+def _to_layers(selector: str, raw: object) -> tuple[str, ...]:
+    items = raw.split("+") if isinstance(raw, str) else raw
+    if not isinstance(items, (list, tuple)) or not all(isinstance(n, str) for n in items):
+        raise ValueError(f"layers for {selector!r} must be block-list names (strings), got {raw!r}")
+    names = tuple(n.strip() for n in items if n.strip())
+    if not names:
+        raise ValueError(f"layers for {selector!r} names no block list")
+    if len(set(names)) != len(names):
+        raise ValueError(f"layers for {selector!r} names a block list twice: {list(names)}")
+    return names
+
+
+def _parse_layers(value: object) -> Mapping[str, tuple[str, ...]]:
+    if isinstance(value, Mapping) and not value:
+        return MappingProxyType({})
+    return MappingProxyType(_selector_map(_layer_entries(value), _LAYERS_OPTION, _to_layers))
+
+
 def _parse_modes(value: object) -> Mapping[str, ResidencyMode]:
     return MappingProxyType(_selector_map(value, _MODES_OPTION, _to_mode))
 
@@ -285,6 +332,7 @@ class ResidencyConfig:
     prefetch: Mapping[str, float] = dataclasses.field(default_factory=dict)
     resident_layers: Mapping[str, float] = dataclasses.field(default_factory=dict)
     policy: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    layers: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", _parse_modes(self.modes))
@@ -292,6 +340,7 @@ class ResidencyConfig:
         object.__setattr__(self, "prefetch", _parse_numbers(self.prefetch, "prefetch"))
         object.__setattr__(self, "resident_layers", resident)
         object.__setattr__(self, "policy", _parse_policies(self.policy))
+        object.__setattr__(self, "layers", _parse_layers(self.layers))
 
     def __hash__(self) -> int:
         return hash(tuple(frozenset(mapping.items()) for mapping in self._maps().values()))
@@ -302,6 +351,7 @@ class ResidencyConfig:
             "prefetch": self.prefetch,
             "resident_layers": self.resident_layers,
             "policy": self.policy,
+            "layers": self.layers,
         }
 
     @classmethod
@@ -312,6 +362,7 @@ class ResidencyConfig:
         prefetch: _Spec = None,
         resident_layers: _Spec = None,
         policy: _Spec = None,
+        layers: _Spec = None,
     ) -> ResidencyConfig:
         """Build a config from ``COMPONENT=MODE`` entries and per-component tuning maps.
 
@@ -320,7 +371,8 @@ class ResidencyConfig:
         tuning maps that are given replacing its own.
         """
         kept = value if isinstance(value, ResidencyConfig) else cls()
-        if kept is value and prefetch is None and resident_layers is None and policy is None:
+        if kept is value and prefetch is None and resident_layers is None and policy is None \
+                and layers is None:
             return kept
         return cls(
             modes=kept.modes if kept is value else _parse_modes(value),
@@ -331,6 +383,7 @@ class ResidencyConfig:
                 else _parse_numbers(resident_layers, "resident_layers")
             ),
             policy=kept.policy if policy is None else _parse_policies(policy),
+            layers=kept.layers if layers is None else _parse_layers(layers),
         )
 
     def mode_for(self, component: str) -> ResidencyMode:
@@ -345,6 +398,10 @@ class ResidencyConfig:
             resident_layers=_lookup(self.resident_layers, component, defaults.resident_layers),
             policy=_lookup(self.policy, component, defaults.policy),
         )
+
+    def layers_for(self, component: str) -> tuple[str, ...] | None:
+        """The block lists a layerwise component streams, if configured (else detected)."""
+        return _lookup(self.layers, component, None)
 
     def validate_components(self, names: Iterable[str]) -> None:
         """Raise ``ValueError`` if an exact selector names none of the given components."""
@@ -361,6 +418,11 @@ class ResidencyConfig:
                 )
                 hint = _closest(selector, sorted(known | set(_GROUPS)))
                 raise ValueError(message + (f"; did you mean {hint!r}?" if hint else ""))
+        for selector in sorted(self.layers):
+            if selector in known and self.mode_for(selector) is not ResidencyMode.LAYERWISE_OFFLOAD:
+                raise ValueError(
+                    f"layers are given for component {selector!r}, but its mode is "
+                    f"{self.mode_for(selector).value}; layers apply to layerwise-offload only")
 
     def to_string(self) -> str:
         """Return the canonical ``sel=mode,...`` form of the modes, sorted by selector."""

@@ -1,9 +1,11 @@
 """Refuse forwards on weights that are not on the device.
 
 A forward on released weights can segfault or silently return garbage, so every submodule
-that owns tensors gets a forward pre-hook that asks one ``check`` callable (supplied by the
-controller) before running. Submodules are hooked, not just the root, because users call
-blocks directly.
+that holds tensors (itself or below it) gets a forward pre-hook that asks one ``check``
+callable (supplied by the controller) before running. Submodules are hooked, not just the
+root, because users call blocks directly; containers are hooked, not just the modules that
+own tensors, because a block's forward may read a child's weight directly
+(``F.linear(x, self.proj.weight)``) before calling any child.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ __all__ = ["ComputeGuard"]
 
 
 class ComputeGuard:
-    """Forward pre-hooks on ``module`` and its tensor-owning submodules calling ``check``;
+    """Forward pre-hooks on ``module`` and its tensor-holding submodules calling ``check``;
     ``on_training_forward(submodule)`` is told of forwards in training mode."""
 
     def __init__(self, module: nn.Module, check: Callable[[], None],
@@ -27,8 +29,8 @@ class ComputeGuard:
         self.on_training_forward = on_training_forward
         self._handles: list[RemovableHandle] = []
         for sub in module.modules():
-            if next(sub.parameters(recurse=False), None) is not None or \
-                    next(sub.buffers(recurse=False), None) is not None or sub is module:
+            if next(sub.parameters(), None) is not None or \
+                    next(sub.buffers(), None) is not None or sub is module:
                 self._handles.append(sub.register_forward_pre_hook(self._hook))
 
     def _hook(self, module: nn.Module, args: Any) -> None:

@@ -19,6 +19,8 @@ layers.
 from __future__ import annotations
 
 import contextlib
+import difflib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +34,7 @@ from ._store import Fetch, Move, TensorStore, Unit
 
 __all__ = [
     "LayerwiseOffloadStrategy",
+    "detect_block_lists",
     "enable_layerwise_offload",
     "is_layerwise_offloaded",
     "layerwise_blocks",
@@ -57,27 +60,70 @@ def _nbytes(module: nn.Module) -> int:
     return sum(t.nbytes for t in list(module.parameters()) + list(module.buffers()))
 
 
+# A detected block list holding less than this fraction of the bytes of the largest one is
+# a head or an embedding table, not a stack of blocks: it stays with the non-layer weights.
+MIN_LIST_FRACTION = 0.1
+
+
+def _is_block_list(m: nn.Module) -> bool:
+    """Repeated blocks: an ``nn.ModuleList`` of at least two children of one class, each
+    holding weights."""
+    children = list(m.children())
+    return (isinstance(m, nn.ModuleList) and len(children) >= 2
+            and len({type(c) for c in children}) == 1
+            and all(next(c.parameters(), None) is not None for c in children))
+
+
+def detect_block_lists(module: nn.Module) -> tuple[str, ...]:
+    """Every list of repeated blocks in ``module``, outermost first, in definition order.
+
+    A block list is an ``nn.ModuleList`` of two or more children of one class that hold
+    weights (see :func:`_is_block_list`); lists inside a block list belong to its blocks and
+    are not searched, lists of mixed blocks (a UNet's ``down_blocks``) are searched for the
+    lists inside them. Lists much smaller than the largest one (heads, embedding tables:
+    under :data:`MIN_LIST_FRACTION` of its bytes) are left out."""
+    found: list[tuple[str, int]] = []
+
+    def walk(prefix: str, m: nn.Module) -> None:
+        for name, child in m.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if _is_block_list(child):
+                found.append((path, _nbytes(child)))
+            else:
+                walk(path, child)
+
+    walk("", module)
+    largest = max((b for _, b in found), default=0)
+    return tuple(name for name, b in found if b > 0 and b >= MIN_LIST_FRACTION * largest)
+
+
 def enable_layerwise_offload(module: nn.Module, layers: Sequence[str] | None = None
                              ) -> tuple[str, ...]:
     """Make ``module`` layerwise-capable: its block lists (dotted names of ``nn.ModuleList``
-    or ``nn.Sequential`` children) stream layer by layer. ``None`` picks the largest
-    ``nn.ModuleList`` by bytes. Returns the block-list names."""
+    or ``nn.Sequential`` children) stream layer by layer, all of them as one sequence of
+    layers. ``None`` streams every list of repeated blocks :func:`detect_block_lists` finds
+    (Flux and HunyuanVideo have two). Returns the block-list names."""
     lists = _block_lists(module)
     if layers is None:
-        candidates = {n: m for n, m in lists.items() if isinstance(m, nn.ModuleList)}
-        if not candidates:
-            raise ValueError(f"{type(module).__name__} has no nn.ModuleList of blocks to offload "
-                             "layer by layer; pass layers=[...] naming its block lists")
-        names: tuple[str, ...] = (max(candidates, key=lambda n: _nbytes(candidates[n])),)
+        names = detect_block_lists(module)
+        if not names:
+            raise ValueError(f"{type(module).__name__} has no nn.ModuleList of repeated blocks "
+                             "to offload layer by layer; pass layers=[...] naming its block "
+                             f"lists (nn.ModuleList / nn.Sequential: {sorted(lists)})")
     else:
         names = tuple(layers)
         unknown = [n for n in names if n not in lists]
         if unknown or not names:
+            hints = [f"{m[0]!r} for {n!r}" for n in unknown
+                     if (m := difflib.get_close_matches(n, list(lists), n=1, cutoff=0.6))]
+            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
             raise ValueError(f"layers {unknown or list(names)} are not block lists of "
-                             f"{type(module).__name__}; block lists: {sorted(lists)}")
+                             f"{type(module).__name__}{hint}; block lists: {sorted(lists)}")
         nested = [a for a in names for b in names if a != b and a.startswith(b + ".")]
         if nested:
             raise ValueError(f"block lists {nested} are nested inside other listed block lists")
+        if len(set(names)) != len(names):
+            raise ValueError(f"block lists {list(names)} name a list twice")
     setattr(module, _ATTR, names)
     return names
 
@@ -107,8 +153,23 @@ def layer_keys(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+class _ThreadState(threading.local):
+    """What one thread's forward has seen: the layer it ran last (to learn successors) and
+    the layers of its current root pass, in order (to learn the execution order)."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+        self.trace: list[int] | None = None
+        self.entered: list[int] = []  # layers whose pre-hook succeeded, innermost last
+
+
 class LayerwiseOffloadStrategy(ResidencyStrategy):
-    """Streams layers through forward hooks; see the module docstring."""
+    """Streams layers through forward hooks; see the module docstring.
+
+    Forwards may run concurrently (several threads, each in its own forward: the diffusers
+    adapter runs pipelines in worker threads). Every decision about a layer (start a fetch,
+    wait for it, evict) is taken under one lock, so a layer has at most one fetch in flight
+    and one device buffer, and the bytes in flight are counted exactly once."""
 
     mode = ResidencyMode.LAYERWISE_OFFLOAD
 
@@ -118,24 +179,38 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
         self.tuning = tuning
         self.layers = layers
         n = len(layers)
-        self.prefetch, resident = tuning.resolve(n)
-        self.resident = frozenset(resident)
         self.units: list[Unit | None] = [store.by_key.get(key) for key, _ in layers]
+        self._lock = threading.RLock()
         self._fetches: dict[int, Fetch] = {}
         self._running: dict[int, int] = {}
         self._next: dict[int, int] = {}
-        self._first = next((i for i in range(n) if i not in self.resident), 0)
-        self._last: int | None = None
+        self._thread = _ThreadState()
         self._pinned = False  # resident layers held in for a use
         self.fetched = 0  # layer copies started (fetches and prefetches)
+        # Definition order until a whole root pass has been seen; then the order they ran.
+        self.order: list[int] = list(range(n))
+        self._learned: list[int] | None = None
+        self.prefetch, self.resident, self._first = 0, frozenset[int](), 0
+        self._apply_order(self.order)
         self._handles: list[RemovableHandle] = []
         for i, (_, block) in enumerate(layers):
             self._handles.append(block.register_forward_pre_hook(self._make_pre(i)))
             self._handles.append(block.register_forward_hook(self._make_post(i), always_call=True))
+        self._handles.append(store.module.register_forward_pre_hook(self._before_root))
         # A forward of the whole component outside a use(): nothing more will run, so the
         # layers prefetched for a next pass are released with it.
         self._handles.append(store.module.register_forward_hook(self._after_root,
                                                                 always_call=True))
+
+    def _apply_order(self, order: list[int]) -> None:
+        """Resident layers and the first streamed one, counted over ``order`` (execution
+        order once learned): ``resident_layers=2, policy=leading`` keeps the first two layers
+        that *run*, whichever block list they are in."""
+        self.order = order
+        self._pos = {i: p for p, i in enumerate(order)}
+        self.prefetch, positions = self.tuning.resolve(len(order))
+        self.resident = frozenset(order[p] for p in positions)
+        self._first = next((i for i in order if i not in self.resident), order[0])
 
     # -- placement decisions -------------------------------------------------------
     def _layer_units(self) -> set[int]:
@@ -146,7 +221,10 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
         return [u for u in self.store.units if id(u) not in layer_ids]
 
     def _successor(self, i: int) -> int:
-        return self._next.get(i, i + 1 if i + 1 < len(self.layers) else self._first)
+        if i in self._next:
+            return self._next[i]
+        pos = self._pos[i] + 1
+        return self.order[pos] if pos < len(self.order) else self._first
 
     def _held(self, i: int) -> bool:
         return self._pinned and i in self.resident
@@ -167,12 +245,20 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
     def _make_pre(self, i: int) -> Callable[[nn.Module, Any], None]:
         def pre(module: nn.Module, args: Any) -> None:
             self.forward_check()
-            if self._last is not None and self._last != i:
-                self._next[self._last] = i
-            self._last = i
-            self._running[i] = self._running.get(i, 0) + 1
-            with _normal_tensors():
-                self._bring_in(i)
+            state = self._thread
+            if state.trace is not None:
+                state.trace.append(i)
+            with self._lock, _normal_tensors():
+                if state.last is not None and state.last != i:
+                    self._next[state.last] = i
+                state.last = i
+                self._running[i] = self._running.get(i, 0) + 1
+                try:
+                    self._bring_in(i)
+                except BaseException:
+                    self._leave(i)
+                    raise
+                state.entered.append(i)
                 window = self._window(i, include_start=False)
                 self._evict_except(set(window) | {i})
                 for j in window:
@@ -181,18 +267,43 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
 
     def _make_post(self, i: int) -> Callable[[nn.Module, Any, Any], None]:
         def post(module: nn.Module, args: Any, output: Any) -> None:
-            self._running[i] -= 1
-            if not self._running[i]:
-                del self._running[i]
-                if not self._held(i):
-                    with _normal_tensors():
-                        self._evict(i)
+            # Called even when a pre-hook raised (always_call): leave only what was entered.
+            entered = self._thread.entered
+            if not entered or entered[-1] != i:
+                return
+            entered.pop()
+            with self._lock, _normal_tensors():
+                self._leave(i)
         return post
 
+    def _leave(self, i: int) -> None:
+        """Layer ``i``'s forward ended (in one thread); the last one out releases it."""
+        self._running[i] -= 1
+        if not self._running[i]:
+            del self._running[i]
+            if not self._held(i):
+                self._evict(i)
+
+    def _before_root(self, module: nn.Module, args: Any) -> None:
+        self._thread.trace = []
+
     def _after_root(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._pinned and not self._running:
-            with _normal_tensors():
-                self._evict_except(set())
+        state = self._thread
+        trace, state.trace = state.trace, None
+        with self._lock, _normal_tensors():
+            if trace is not None and len(trace) == len(self.layers) \
+                    and len(set(trace)) == len(trace) and trace != self.order:
+                self._learned = trace  # every layer once: this is the execution order
+            if not self._pinned:
+                self._relearn()
+                if not self._running:
+                    self._evict_except(set())
+
+    def _relearn(self) -> None:
+        """Adopt a learned execution order (only between uses: resident layers change)."""
+        if self._learned is not None:
+            self._apply_order(self._learned)
+            self._learned = None
 
     def _start(self, i: int) -> None:
         unit = self.units[i]
@@ -207,6 +318,10 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
             fetch.complete()
 
     def _evict(self, i: int) -> None:
+        # A prefetch is completed before its buffer is dropped: on CUDA, complete() makes the
+        # compute stream wait for the copy's event, and the buffer was allocated on the
+        # compute stream, so the allocator cannot hand its block to later work on that stream
+        # before the copy has landed. On CPU, complete() blocks until the copier is done.
         fetch = self._fetches.pop(i, None)
         if fetch is not None:
             fetch.complete()
@@ -226,24 +341,33 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
         return all(u.where == "device" for u in self.awake_units())
 
     async def prepare_use(self) -> Move | None:
-        self.quiesce()
-        self._pinned = True
-        wanted = sorted(self.resident | set(self._window(self._first, include_start=True)))
-        units = [u for i in wanted if (u := self.units[i]) is not None and u.where == "host"]
+        with self._lock:
+            self._quiesce()
+            self._relearn()
+            self._pinned = True
+            wanted = sorted(self.resident | set(self._window(self._first, include_start=True)))
+            units = [u for i in wanted if (u := self.units[i]) is not None and u.where == "host"]
         try:
             return await self.store.prepare_to_device(units) if units else None
         except BaseException:
-            self._pinned = False
+            with self._lock:
+                self._pinned = False
             raise
 
     async def finish_use(self) -> int:
-        self._pinned = False
-        self.quiesce()
-        return sum(self.store.evict(u) for i, u in enumerate(self.units)
-                   if u is not None and u.where == "device" and i not in self._running)
+        with self._lock:
+            self._pinned = False
+            self._quiesce()
+            self._relearn()
+            return sum(self.store.evict(u) for i, u in enumerate(self.units)
+                       if u is not None and u.where == "device" and i not in self._running)
 
     def quiesce(self) -> None:
         """Land every prefetch in flight (before a transition moves the store)."""
+        with self._lock:
+            self._quiesce()
+
+    def _quiesce(self) -> None:
         for i in list(self._fetches):
             self._fetches.pop(i).complete()
 
@@ -255,8 +379,11 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
 
     def peak_bound(self) -> int:
         """Device bytes this component may hold during a use (non-layer + (resident +
-        prefetch + 1) x largest layer)."""
+        prefetch + 1) x largest layer), weights recomputed from parameters included."""
         layer_ids = self._layer_units()
-        nonlayer = sum(u.nbytes for u in self.store.units if id(u) not in layer_ids)
-        largest = max((u.nbytes for u in self.units if u is not None), default=0)
+        store = self.store
+        nonlayer = sum(u.nbytes + store.derived_nbytes(u) for u in store.units
+                       if id(u) not in layer_ids)
+        largest = max((u.nbytes + store.derived_nbytes(u) for u in self.units if u is not None),
+                      default=0)
         return nonlayer + (len(self.resident) + self.prefetch + 1) * largest

@@ -23,12 +23,16 @@ counter; call :meth:`TensorStore.mark_dirty` after such writes.
 
 from __future__ import annotations
 
+import threading
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
 
@@ -151,10 +155,11 @@ class Move:
             for unit in self.units:
                 self.store.point_to_host(unit)
         self._forget_buffers()
+        self.store.refresh_derived(self.units)
 
     def _forget_buffers(self) -> None:
-        self.store.pending_bytes -= sum(u.nbytes for u, _ in zip(self.units, self.buffers,
-                                                                 strict=False))
+        self.store.add_pending(-sum(u.nbytes for u, _ in zip(self.units, self.buffers,
+                                                             strict=False)))
         self.buffers.clear()
 
     def rollback(self) -> None:
@@ -178,8 +183,74 @@ class Fetch:
         try:
             self.handle.wait()
         finally:
-            self.store.pending_bytes -= self.unit.nbytes
+            self.store.add_pending(-self.unit.nbytes)
         self.store.point_to_device(self.unit, self.buf)
+        self.store.refresh_derived([self.unit])
+
+
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+@dataclass(eq=False)
+class _Registration:
+    """One place a tensor is found: ``table[key] is tensor``."""
+
+    name: str
+    tensor: torch.Tensor
+    owner: nn.Module
+    kind: str  # "parameter", "buffer" or "attribute"
+    table: Any
+    key: object
+
+
+def _lookup_entry(table: Any, key: object) -> object:
+    try:
+        return table[key]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+@dataclass(eq=False)
+class _Derived:
+    """A tensor attribute a forward pre-hook recomputes from the module's parameters on every
+    forward (``torch.nn.utils.weight_norm``'s ``weight``, ``spectral_norm``'s). It is not
+    stored: when its parameters leave the device it is released (an empty placeholder; the
+    hook recomputes it before any forward), when they are all back it is recomputed there,
+    bit for bit what the hook computes."""
+
+    module: nn.Module
+    name: str
+    hook: Any
+    sources: list[Unit] = field(default_factory=list)
+
+    def full_nbytes(self) -> int:
+        """Bytes of the attribute when computed: the size of the weight it stands for."""
+        source = "_v" if isinstance(self.hook, WeightNorm) else "_orig"
+        weight = getattr(self.module, self.name + source)
+        return int(weight.nbytes)
+
+    def nbytes(self) -> int:
+        """Device bytes the attribute holds now (0 once released)."""
+        value = getattr(self.module, self.name, None)
+        placed = all(u.where == "device" for u in self.sources)
+        return value.nbytes if placed and isinstance(value, torch.Tensor) else 0
+
+    def refresh(self, placed: bool) -> None:
+        current = getattr(self.module, self.name, None)
+        dtype = current.dtype if isinstance(current, torch.Tensor) else torch.float32
+        with torch.no_grad():
+            if not placed:
+                value = torch.empty(0, dtype=dtype)
+            elif isinstance(self.hook, SpectralNorm):
+                value = self.hook.compute_weight(self.module, do_power_iteration=False)
+            else:
+                value = self.hook.compute_weight(self.module)
+        setattr(self.module, self.name, value)
+
+
+def _derived_of(module: nn.Module) -> list[_Derived]:
+    return [_Derived(module, h.name, h) for h in module._forward_pre_hooks.values()
+            if isinstance(h, WeightNorm | SpectralNorm)]
 
 
 class TensorStore:
@@ -198,35 +269,67 @@ class TensorStore:
         self.layer_keys = tuple(layers)
         self.whole = whole
         self.pending_bytes = 0  # device buffers allocated for moves not committed yet
+        self._pending_lock = threading.Lock()  # forward hooks run in worker threads too
         self.units: list[Unit] = []
         self.by_key: dict[str, Unit] = {}
         self._inventory()
 
+    def add_pending(self, nbytes: int) -> None:
+        """Count device bytes allocated for a move in flight (negative: no longer)."""
+        with self._pending_lock:
+            self.pending_bytes += nbytes
+
     # -- inventory -----------------------------------------------------------------
-    def _registrations(self) -> list[tuple[str, torch.Tensor, nn.Module, bool]]:
-        """(name, tensor, owning module, is_buffer) for every registration."""
-        out: list[tuple[str, torch.Tensor, nn.Module, bool]] = []
+    def _registrations(self) -> list[_Registration]:
+        """Every tensor reachable from the module's tree: parameters and buffers first, then
+        plain tensor attributes (``_``-prefixed too) and tensors in list, tuple and dict
+        attributes (rotary tables, caches). Attributes a forward pre-hook recomputes from
+        parameters (``weight_norm``, ``spectral_norm``) are not tensors of their own: see
+        :class:`_Derived`."""
+        out: list[_Registration] = []
+        attrs: list[_Registration] = []
         for prefix, sub in self.module.named_modules(remove_duplicate=False):
-            for is_buffer, table in ((False, sub._parameters), (True, sub._buffers)):
-                out += [(f"{prefix}.{n}" if prefix else n, t, sub, is_buffer)
+            dot = f"{prefix}." if prefix else ""
+            for kind, table in (("parameter", sub._parameters), ("buffer", sub._buffers)):
+                out += [_Registration(dot + n, t, sub, kind, table, n)
                         for n, t in table.items() if t is not None]
-        return out
+            derived = {d.name for d in _derived_of(sub)}
+            for attr, value in vars(sub).items():
+                if attr in _MODULE_TABLES or attr in derived:
+                    continue
+                if isinstance(value, torch.Tensor):
+                    attrs.append(_Registration(dot + attr, value, sub, "attribute",
+                                               sub.__dict__, attr))
+                    continue
+                items: list[tuple[object, object]] = []
+                if isinstance(value, list | tuple):
+                    items = list(enumerate(value))
+                elif isinstance(value, dict):
+                    items = list(value.items())
+                found = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
+                if found:
+                    # The container itself is watched too (a tuple is replaced, not edited).
+                    self._watch.append((sub.__dict__, attr, value))
+                attrs += [_Registration(f"{dot}{attr}[{k!r}]", v, sub, "attribute", value, k)
+                          for k, v in found]
+        # An attribute with no bytes (or none yet: meta) has nothing to place.
+        return out + [r for r in attrs if r.tensor.is_meta is False and r.tensor.numel()]
 
     def _inventory(self) -> None:
+        self._watch: list[tuple[Any, object, object]] = []
         regs = self._registrations()
         self._buffers_of: dict[int, list[_Slot]] = {}
-        # Where each tensor is registered, to notice a replaced Parameter cheaply.
-        self._where = [(sub._buffers if is_buffer else sub._parameters, n.rsplit(".", 1)[-1], t)
-                       for n, t, sub, is_buffer in regs]
-        self._registration_count = len(regs)
+        # Where each tensor is found, to notice a replaced tensor cheaply.
+        self._watch += [(r.table, r.key, r.tensor) for r in regs]
         slots: dict[int, _Slot] = {}
-        for n, t, owner, is_buffer in regs:
-            self._check_tensor(n, t)
+        for r in regs:
+            self._check_tensor(r.name, r.tensor, r.kind)
+            t = r.tensor
             if id(t) not in slots:
                 slots[id(t)] = _Slot(t, [], int(t.storage_offset()) * t.element_size())
-            slots[id(t)].names.append(n)
-            if is_buffer:
-                self._buffers_of.setdefault(id(owner), []).append(slots[id(t)])
+            slots[id(t)].names.append(r.name)
+            if r.kind == "buffer":
+                self._buffers_of.setdefault(id(r.owner), []).append(slots[id(t)])
         storages: dict[tuple[str, int], _Storage] = {}
         for slot in slots.values():
             st = slot.tensor.untyped_storage()
@@ -250,9 +353,36 @@ class TensorStore:
             u.where = "device" if on_device else "host"
             for slot in u.slot_list:
                 slot.record()
+        self._inventory_derived(slots)
 
-    def _check_tensor(self, name: str, t: torch.Tensor) -> None:
-        where = f"tensor {name!r} of component {self.name!r}"
+    def _inventory_derived(self, slots: dict[int, _Slot]) -> None:
+        """Attach each recomputed attribute to the units holding its module's parameters."""
+        unit_of = {id(slot): u for u in self.units for slot in u.slot_list}
+        self.derived: list[_Derived] = []
+        for _, sub in self.module.named_modules():
+            for d in _derived_of(sub):
+                sources = {id(u): u for p in sub._parameters.values() if p is not None
+                           if (slot := slots.get(id(p))) is not None
+                           if (u := unit_of.get(id(slot))) is not None}
+                d.sources = list(sources.values())
+                self.derived.append(d)
+
+    def derived_nbytes(self, unit: Unit) -> int:
+        """Device bytes of the derived attributes computed from ``unit``'s parameters while
+        it is placed (they come and go with it)."""
+        return sum(d.full_nbytes() for d in self.derived if any(u is unit for u in d.sources))
+
+    def refresh_derived(self, units: Iterable[Unit]) -> None:
+        """After ``units`` moved: recompute the derived attributes whose parameters are all
+        on the device now; release (an empty placeholder) those whose parameters left."""
+        moved = {id(u) for u in units}
+        for d in self.derived:
+            if any(id(u) in moved for u in d.sources):
+                d.refresh(all(u.where == "device" for u in d.sources))
+
+    def _check_tensor(self, name: str, t: torch.Tensor, kind: str) -> None:
+        what = "tensor" if kind != "attribute" else "tensor attribute (neither parameter nor buffer)"
+        where = f"{what} {name!r} of component {self.name!r}"
         if t.is_meta:
             raise StoreError(f"{where} is on the meta device (no data); load real weights "
                              "before attaching")
@@ -288,17 +418,22 @@ class TensorStore:
             offset = _align(end)
         return Unit(key, storages, nbytes=end)
 
-    def structure_changed(self, deep: bool = False) -> bool:
-        """Whether a registered tensor was replaced or removed since inventory (a few dict
-        look-ups per tensor); ``deep`` also walks the module tree for added tensors."""
-        if any(table.get(key) is not t for table, key, t in self._where):
-            return True
-        return deep and len(self._registrations()) != self._registration_count
+    def structure_changed(self) -> list[str]:
+        """Names of tensors replaced or removed since inventory (a few look-ups per
+        tensor): ``p = nn.Parameter(...)`` assignments, caches a forward re-created."""
+        out = []
+        for table, key, obj in self._watch:
+            if _lookup_entry(table, key) is not obj:
+                out.append(key if isinstance(key, str) else f"[{key!r}]")
+        return out
 
     def rescan(self) -> None:
         """Take inventory again (after the module's structure changed while on device)."""
         if any(u.where == "host" for u in self.units):
-            raise StoreError(f"component {self.name!r} changed structure while offloaded")
+            changed = self.structure_changed() or self.drifted()
+            raise StoreError(f"component {self.name!r} changed structure while offloaded: "
+                             f"tensor(s) {changed[:8]} were replaced behind the controller; "
+                             "only a resident component can be taken inventory of again")
         self._inventory()
 
     def note_training_forward(self, module: nn.Module) -> None:
@@ -349,6 +484,7 @@ class TensorStore:
         await self.layer.copy(pairs, "host")
         for unit in units:
             self.point_to_host(unit)
+        self.refresh_derived(units)
         return sum(u.nbytes for u in units)
 
     # -- re-pointing (the commit of every move) -----------------------------------------
@@ -406,7 +542,7 @@ class TensorStore:
                 assert unit.where == "host" and unit.host is not None
                 buf = self.layer.alloc(unit.nbytes, "device")
                 move.buffers.append(buf)
-                self.pending_bytes += unit.nbytes
+                self.add_pending(unit.nbytes)
                 pairs.append((buf, unit.host))
             await self._copy(pairs, "device", progress)
         except BaseException as exc:
@@ -442,11 +578,18 @@ class TensorStore:
 
     # -- synchronous moves, for forward hooks ----------------------------------------
     def start_fetch(self, unit: Unit) -> Fetch:
-        """Allocate ``unit``'s device buffer and start copying its mirror in."""
+        """Allocate ``unit``'s device buffer and start copying its mirror in.
+
+        The buffer is allocated on the compute stream and the copy runs on the copy stream
+        (which first waits for the compute stream). Every Fetch is completed before its
+        buffer can be dropped (``Fetch.complete``: the compute stream waits for the copy's
+        event), so the caching allocator never hands the block to later compute work while
+        the copy still writes it; the layerwise strategy's lock makes sure no Fetch is lost
+        on the way (two threads never start two fetches of one unit)."""
         assert unit.where == "host" and unit.host is not None
         buf = self.layer.alloc(unit.nbytes, "device")
         handle = self.layer.start_copy([(buf, unit.host)], "device")
-        self.pending_bytes += unit.nbytes
+        self.add_pending(unit.nbytes)
         return Fetch(self, unit, buf, handle)
 
     def evict(self, unit: Unit) -> int:
@@ -462,6 +605,7 @@ class TensorStore:
             self.layer.synchronize()
             copied = unit.nbytes
         self.point_to_host(unit)
+        self.refresh_derived([unit])
         return copied
 
     @staticmethod
@@ -475,8 +619,10 @@ class TensorStore:
     # -- introspection -------------------------------------------------------------
     @property
     def device_bytes(self) -> int:
-        """Bytes on the device: placed units and buffers of moves in flight."""
-        return sum(u.nbytes for u in self.units if u.where == "device") + self.pending_bytes
+        """Bytes on the device: placed units, buffers of moves in flight, and derived
+        attributes recomputed from placed parameters."""
+        return sum(u.nbytes for u in self.units if u.where == "device") + self.pending_bytes \
+            + sum(d.nbytes() for d in self.derived)
 
     def report(self) -> StoreReport:
         device = self.device_bytes

@@ -71,3 +71,48 @@ def tensor_ids(pipe: dict[str, nn.Module]) -> dict[str, int]:
         for n, t in list(m.named_parameters()) + list(m.named_buffers()):
             out[f"{cname}.{n}"] = id(t)
     return out
+
+
+def reachable_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor a module tree reaches through attributes: parameters, buffers, plain
+    tensor attributes and tensors inside list, tuple and dict attributes (written apart from
+    the library's own inventory, so that it can check it)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for attr, value in vars(sub).items():
+            if isinstance(value, torch.Tensor):
+                out.append((dot + attr, value))
+            elif isinstance(value, (list, tuple)):
+                out += [(f"{dot}{attr}[{i}]", v) for i, v in enumerate(value)
+                        if isinstance(v, torch.Tensor)]
+            elif isinstance(value, dict):
+                out += [(f"{dot}{attr}[{k!r}]", v) for k, v in value.items()
+                        if isinstance(v, torch.Tensor)]
+    return out
+
+
+def device_tier_storages(pipe: dict[str, nn.Module], ctl: object) -> dict[str, int]:
+    """``{first tensor name: storage bytes}`` of every storage with bytes that a pipeline
+    reaches on the device tier. On CUDA that is a CUDA storage; on the CPU stand-in, any
+    storage that is not inside one of the controller's host mirrors."""
+    from lifecycle import LifecycleController
+
+    assert isinstance(ctl, LifecycleController)
+    mirrors = [(u.host.data_ptr(), u.host.data_ptr() + u.host.nbytes)
+               for name in ctl.components for u in ctl.strategy(name).store.units
+               if u.host is not None]
+    found: dict[int, tuple[str, int]] = {}
+    for cname, module in pipe.items():
+        for name, t in reachable_tensors(module):
+            st = t.untyped_storage()
+            if not st.nbytes() or t.is_meta:
+                continue
+            ptr = st.data_ptr()
+            if ctl.device.type == "cuda":
+                on_device = t.device.type == "cuda"
+            else:
+                on_device = not any(lo <= ptr < hi for lo, hi in mirrors)
+            if on_device and ptr not in found:
+                found[ptr] = (f"{cname}.{name}", st.nbytes())
+    return dict(found.values())

@@ -272,8 +272,9 @@ def test_strategy_follows_the_resolved_mode_and_defaults_to_resident(
 # --- enable_layerwise_offload ---------------------------------------------------------
 
 
-def test_enable_layerwise_offload_picks_the_largest_module_list_by_bytes() -> None:
-    """With no names the block list holding the most bytes wins, not the longest one."""
+def test_enable_layerwise_offload_leaves_out_lists_tiny_next_to_the_largest() -> None:
+    """With no names a list under a tenth of the largest list's bytes is a head, not blocks:
+    the long list of small layers is left out, the short list of large ones streams."""
     module = nn.Module()
     module.many_small = nn.ModuleList(nn.Linear(2, 2) for _ in range(8))
     module.few_large = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
@@ -302,17 +303,19 @@ def test_enable_layerwise_offload_takes_explicit_dotted_names() -> None:
 def test_enable_layerwise_offload_on_a_module_without_block_lists_says_why() -> None:
     """A module with no nn.ModuleList gets a clear error and stays not layerwise-enabled."""
     module = nn.Linear(4, 4)
-    with raises_exactly(ValueError, "Linear has no nn.ModuleList of blocks to offload layer by layer; "
-                        "pass layers=[...] naming its block lists"):
+    with raises_exactly(ValueError, "Linear has no nn.ModuleList of repeated blocks to offload layer "
+                        "by layer; pass layers=[...] naming its block lists (nn.ModuleList / "
+                        "nn.Sequential: [])"):
         enable_layerwise_offload(module)
     assert not is_layerwise_offloaded(module)
 
 
 def test_enable_layerwise_offload_refuses_unknown_names() -> None:
-    """Names that are not block lists are listed with the block lists that exist."""
+    """Names that are not block lists are listed with the block lists that exist, and a
+    near miss gets a hint."""
     module = DiT()
-    with raises_exactly(ValueError, "layers ['blox', 'inp'] are not block lists of DiT; "
-                        "block lists: ['blocks']"):
+    with raises_exactly(ValueError, "layers ['blox', 'inp'] are not block lists of DiT (did you "
+                        "mean 'blocks' for 'blox'?); block lists: ['blocks']"):
         enable_layerwise_offload(module, ["blox", "inp"])
     assert not is_layerwise_offloaded(module)
 
