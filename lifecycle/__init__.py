@@ -1,5 +1,7 @@
 """The lifecycle of a model pipeline's weights: attach, sleep, wake, update, detach."""
 
+from strategies import ComponentResidencyError, ResidencyError, StoreError
+
 from ._controller import LifecycleController
 from ._errors import (
     AdmissionTimeout,
@@ -15,12 +17,14 @@ from ._errors import (
 from ._events import configure_logging
 from ._phase import Phase, mermaid
 from ._results import ComponentPlacement, OccupationResult, PlacementReport, UpdateResult
+from ._sync import SyncLifecycleController
 
 __all__ = [
     "AdmissionTimeout",
     "ComponentAsleep",
     "ComponentNotPlaced",
     "ComponentPlacement",
+    "ComponentResidencyError",
     "DrainTimeout",
     "FSDPInferenceUnsupported",
     "LifecycleController",
@@ -28,6 +32,9 @@ __all__ = [
     "OccupationResult",
     "Phase",
     "PlacementReport",
+    "ResidencyError",
+    "StoreError",
+    "SyncLifecycleController",
     "TransitionFailed",
     "TransitionRejected",
     "UpdateResult",

@@ -16,8 +16,9 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import anyio.abc
@@ -29,31 +30,36 @@ from transitions import Machine
 
 from strategies import (
     ComponentResidencyError,
+    ComputeGuard,
     DeviceLayer,
     Move,
+    PreparedMove,
     ResidencyConfig,
     ResidencyMode,
     ResidencyStrategy,
     StoreError,
+    TensorStore,
+    Unit,
     build_strategy,
+    disable_layerwise_offload,
     enable_layerwise_offload,
     is_fsdp_managed,
     is_layerwise_offloaded,
     layerwise_blocks,
     make_device_layer,
 )
-from strategies._guard import ComputeGuard
-from strategies._layerwise import disable_layerwise_offload
-from strategies._store import forget_locals
 
+from . import _events as events
 from ._admission import Admission
+from ._checkpoint import gbps
 from ._errors import (
     ComponentAsleep,
     ComponentNotPlaced,
     FSDPInferenceUnsupported,
     TransitionFailed,
     TransitionRejected,
-    WeightUpdateWhileSleeping,
+    failures_roll_back,
+    forget_locals,
 )
 from ._events import get_logger
 from ._phase import REFUSALS, TRANSITIONS, Phase, Refusal
@@ -62,7 +68,6 @@ from ._results import ComponentPlacement, OccupationResult, PlacementReport, Upd
 from ._updates import (
     UpdatePlan,
     UpdateRefused,
-    apply_plan,
     checksum,
     plan_from_disk,
     plan_from_tensors,
@@ -74,6 +79,30 @@ __all__ = ["LifecycleController"]
 _log = get_logger("lifecycle")
 _ids = itertools.count(1)
 _VALID = frozenset((t.trigger, t.source) for t in TRANSITIONS)
+
+
+@dataclass(frozen=True)
+class _Direction:
+    """What sleep and wake each do, described once: which units move, how they are
+    prepared, which bytes a progress bar counts, and what happens around the move."""
+
+    select: Callable[[ResidencyStrategy], list[Unit]]
+    prepare: Callable[[TensorStore, list[Unit], Callable[[int], None]], Awaitable[Move]]
+    counts: Callable[[Unit], bool]  # bytes that will really be copied
+    resync: bool  # take inventory again first (tensors replaced behind our back)
+    empty_cache: bool  # give the freed blocks back to the driver after
+
+
+_DIRECTIONS: dict[str, _Direction] = {
+    "sleep": _Direction(
+        select=lambda s: s.store.select("device"),
+        prepare=lambda store, units, progress: store.prepare_to_host(units, progress=progress),
+        counts=lambda u: u.dirty(), resync=True, empty_cache=True),
+    "wake": _Direction(
+        select=lambda s: [u for u in s.awake_units() if u.where == "host"],
+        prepare=lambda store, units, progress: store.prepare_to_device(units, progress=progress),
+        counts=lambda u: True, resync=False, empty_cache=False),
+}
 
 
 class _PhaseModel:
@@ -125,6 +154,23 @@ class LifecycleController:
         self._transition: str | None = None
         self._version = 0
         self._enabled: list[nn.Module] = []  # modules attach() made layerwise-capable
+        # Worker threads for planning, reading and hashing: the library's own, so that it
+        # never takes the application's share of anyio's default limiter.
+        self._threads = anyio.CapacityLimiter(2)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Detach the pipeline (if any) and stop the device layer's worker threads. The
+        controller may be used again after (it restarts them)."""
+        with anyio.CancelScope(shield=True):
+            if self.phase is not Phase.UNINITIALIZED:
+                await self.detach()
+            await anyio.to_thread.run_sync(self._layer.close, limiter=self._threads)
 
     # -- introspection -----------------------------------------------------------------
     @property
@@ -182,38 +228,42 @@ class LifecycleController:
         """Noop first, then FSDP (sleep/wake), then failure/rejection: the reference's order."""
         found = REFUSALS.get((trigger, self.phase))
         if found and found[0] is Refusal.NOOP:
-            return found
+            return found[:2]
         if trigger in ("sleep", "wake") and (
                 self.use_fsdp_inference or any(c.fsdp for c in self._uses.components.values())):
             raise FSDPInferenceUnsupported(trigger, self.phase)
-        if found and found[0] is Refusal.REJECT:
-            if trigger == "begin_update":
-                raise WeightUpdateWhileSleeping(trigger, self.phase)
-            raise TransitionRejected(trigger, self.phase, found[1])
+        if found and found[2] is not None:
+            raise found[2](trigger, self.phase, found[1])
         if found is None and (trigger, self.phase) not in _VALID:
             raise TransitionRejected(trigger, self.phase,
                                      f"{trigger} is not valid in phase {self.phase.value}")
-        return found
+        return None if found is None else found[:2]
 
     async def _transact(self, trigger: str,
-                        prepare: Callable[[list[Move]], Awaitable[None]]) -> int:
+                        prepare: Callable[[list[PreparedMove]], Awaitable[None]]) -> int:
         """Run ``prepare`` (which appends prepared moves), then commit all of them, or roll
         every one back and raise :class:`TransitionFailed` (cancellation propagates as is).
         Returns the bytes copied."""
-        moves: list[Move] = []
-        try:
-            await prepare(moves)
-        except BaseException as exc:
-            for move in reversed(moves):
-                move.rollback()
-            forget_locals(exc)
-            _log.warning("transition.rolled_back", trigger=trigger, phase=self.phase.value,
-                         error=f"{type(exc).__name__}: {exc}", rank=self.rank)
-            if isinstance(exc, Exception):
-                raise TransitionFailed(trigger, self.phase, exc) from exc
-            raise
+        moves: list[PreparedMove] = []
+        with failures_roll_back(trigger, lambda: self.phase):
+            try:
+                await prepare(moves)
+            except BaseException as exc:
+                with anyio.CancelScope(shield=True):
+                    for move in reversed(moves):
+                        await move.undo()
+                forget_locals(exc)  # the frames held the moves' buffers and backups
+                _log.warning(events.TRANSITION_ROLLED_BACK, trigger=trigger, phase=self.phase.value,
+                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+                raise
         for move in moves:
             move.commit()
+        for move in moves:
+            # After commit: work that cannot undo it (a write's mirror refresh).
+            error = await move.settle()
+            if error is not None:
+                _log.warning(events.UPDATE_MIRROR_STALE, component=move.store.name,
+                             error=f"{type(error).__name__}: {error}", rank=self.rank)
         return sum(m.bytes_copied for m in moves)
 
     def _commit_phase(self, trigger: str) -> None:
@@ -309,7 +359,7 @@ class LifecycleController:
         for c in components.values():
             adopted += await c.strategy.store.adopt()
 
-        async def prepare(moves: list[Move]) -> None:
+        async def prepare(moves: list[PreparedMove]) -> None:
             for c in components.values():
                 store = c.strategy.store
                 wanted = c.strategy.awake_units()
@@ -328,21 +378,23 @@ class LifecycleController:
             source = self.phase
             t0 = time.perf_counter()
 
-            async def prepare(moves: list[Move]) -> None:
+            async def prepare(moves: list[PreparedMove]) -> None:
                 for c in self._uses.components.values():
                     store = c.strategy.store
                     moves.append(await store.prepare_to_host(store.select("device")))
 
-            async with self._gate("detach"):
-                copied = await self._transact("detach", prepare)
-            for c in self._uses.components.values():
-                if c.guard:
-                    c.guard.remove()
-            self._abandon(self._uses.components.values(), self._enabled)
-            self._uses.components, self._enabled = {}, []
-            self._commit_phase("detach")
-            self._layer.empty_cache()
-            self._summary("detach", source, copied, time.perf_counter() - t0)
+            with structlog.contextvars.bound_contextvars(transition="detach",
+                                                         transition_id=next(_ids)):
+                async with self._gate("detach"):
+                    copied = await self._transact("detach", prepare)
+                for c in self._uses.components.values():
+                    if c.guard:
+                        c.guard.remove()
+                self._abandon(self._uses.components.values(), self._enabled)
+                self._uses.components, self._enabled = {}, []
+                self._commit_phase("detach")
+                self._layer.empty_cache()
+                self._summary("detach", source, copied, time.perf_counter() - t0)
             return self.phase
 
     # -- sleep / wake ------------------------------------------------------------------
@@ -369,7 +421,7 @@ class LifecycleController:
             refusal = self._refusal(trigger)
             if refusal:
                 how, message = refusal
-                _log.info("transition.rejected", trigger=trigger, phase=self.phase.value,
+                _log.info(events.TRANSITION_REJECTED, trigger=trigger, phase=self.phase.value,
                           reason=message, rank=self.rank)
                 return OccupationResult(how is Refusal.NOOP, self.phase is Phase.SLEEPING,
                                         message, self.phase)
@@ -388,17 +440,15 @@ class LifecycleController:
             yield
 
     async def _move_all(self, trigger: str) -> OccupationResult:
+        way = _DIRECTIONS[trigger]
         source = self.phase
         before = self._device_bytes()
         t0 = time.perf_counter()
-        if trigger == "sleep":
+        if way.resync:
             self._resync_structure(trigger)
-
-        plan = [(c, c.strategy.store.select("device") if trigger == "sleep" else
-                 [u for u in c.strategy.awake_units() if u.where == "host"])
-                for c in self._uses.components.values()]
+        plan = [(c, way.select(c.strategy)) for c in self._uses.components.values()]
         total = 0 if self.progress is None else sum(
-            u.nbytes for _, units in plan for u in units if trigger == "wake" or u.dirty())
+            u.nbytes for _, units in plan for u in units if way.counts(u))
         done = 0
 
         def progress(nbytes: int) -> None:
@@ -407,14 +457,10 @@ class LifecycleController:
             if self.progress is not None:
                 self.progress(trigger, done, total)
 
-        async def prepare(moves: list[Move]) -> None:
+        async def prepare(moves: list[PreparedMove]) -> None:
             for c, units in plan:
-                store = c.strategy.store
                 m0 = time.perf_counter()
-                if trigger == "sleep":
-                    move = await store.prepare_to_host(units, progress=progress)
-                else:
-                    move = await store.prepare_to_device(units, progress=progress)
+                move = await way.prepare(c.strategy.store, units, progress)
                 moves.append(move)
                 self._move_event(c.name, move, time.perf_counter() - m0)
 
@@ -424,7 +470,7 @@ class LifecycleController:
         finally:
             self._transition = None
         self._commit_phase(trigger)
-        if trigger == "sleep":
+        if way.empty_cache:
             self._layer.empty_cache()
         seconds = time.perf_counter() - t0
         after = self._device_bytes()
@@ -438,7 +484,7 @@ class LifecycleController:
         for c in self._uses.components.values():
             store = c.strategy.store
             if store.structure_changed() or store.drifted():
-                _log.warning("store.rescan", component=c.name,
+                _log.warning(events.STORE_RESCAN, component=c.name,
                              drifted=store.drifted()[:8], rank=self.rank)
                 try:
                     store.rescan()
@@ -447,17 +493,17 @@ class LifecycleController:
 
     # -- events ------------------------------------------------------------------------
     def _move_event(self, component: str, move: Move, seconds: float) -> None:
-        _log.debug("move.prepared", component=component, to=move.to, units=len(move.units),
+        _log.debug(events.MOVE_PREPARED, component=component, to=move.to, units=len(move.units),
                    bytes=move.bytes_copied, seconds=round(seconds, 6),
-                   gbps=round(move.bytes_copied / seconds / 1e9, 3) if seconds > 0 else 0.0,
+                   gbps=round(gbps(move.bytes_copied, seconds), 3),
                    rank=self.rank)
 
     def _summary(self, trigger: str, source: Phase, copied: int, seconds: float,
                  released: int = 0) -> None:
-        _log.info("transition.committed", trigger=trigger, source=source.value,
+        _log.info(events.TRANSITION_COMMITTED, trigger=trigger, source=source.value,
                   dest=self.phase.value, outcome="committed", seconds=round(seconds, 6),
                   bytes=copied, released=released,
-                  gbps=round(copied / seconds / 1e9, 3) if seconds > 0 else 0.0, rank=self.rank)
+                  gbps=round(gbps(copied, seconds), 3), rank=self.rank)
 
     # -- weight updates --------------------------------------------------------------
     @property
@@ -471,6 +517,14 @@ class LifecycleController:
         their placement."""
         names = list(self._uses.components) if components is None else list(components)
         return {n: checksum(self._component(n).strategy.store) for n in names}
+
+    async def weights_checksum_async(self, components: Sequence[str] | None = None
+                                     ) -> dict[str, str]:
+        """:meth:`weights_checksum` hashed in a worker thread (the event loop keeps serving),
+        under the controller's lock so that no move or update runs meanwhile."""
+        async with self._lock:
+            return await anyio.to_thread.run_sync(self.weights_checksum, components,
+                                                  limiter=self._threads)
 
     async def update_weights_from_disk(self, model_path: str | os.PathLike[str],
                                        target_modules: Sequence[str] | None = None
@@ -501,9 +555,9 @@ class LifecycleController:
                                                          transition_id=next(_ids)):
                 try:
                     self._resync_structure(kind)
-                    plan = await anyio.to_thread.run_sync(make_plan)
+                    plan = await anyio.to_thread.run_sync(make_plan, limiter=self._threads)
                 except (UpdateRefused, TransitionRejected) as exc:
-                    _log.info("transition.rejected", trigger=kind, phase=self.phase.value,
+                    _log.info(events.TRANSITION_REJECTED, trigger=kind, phase=self.phase.value,
                               reason=str(exc), rank=self.rank)
                     return UpdateResult(False, str(exc), self._version)
                 try:
@@ -515,24 +569,26 @@ class LifecycleController:
     async def _apply(self, kind: str, plan: UpdatePlan) -> UpdateResult:
         t0 = time.perf_counter()
         before = self._version
+
+        async def prepare(moves: list[PreparedMove]) -> None:
+            for name in plan.components:
+                sources = plan.sources(name)
+                if sources:
+                    store = self._component(name).strategy.store
+                    moves.append(await store.prepare_write(sources, self._threads))
+
         self._commit_phase("begin_update")
         try:
-            written = await apply_plan(plan, self._layer)
-        except Exception as exc:
-            forget_locals(exc)  # the backups, now restored, must not outlive the call
-            _log.warning("transition.rolled_back", trigger=kind, phase=self.phase.value,
-                         error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+            written = await self._transact(kind, prepare)
+        except TransitionFailed as exc:
             return UpdateResult(False, f"update failed and was rolled back; weights are "
-                                f"unchanged: {type(exc).__name__}: {exc}", before)
+                                f"unchanged: {type(exc.cause).__name__}: {exc.cause}", before)
         finally:
             self._commit_phase("end_update")
-        for name in plan.components:  # weight_norm weights: recomputed from the new values
-            store = self._component(name).strategy.store
-            store.refresh_derived(store.units)
         self._version += 1
         seconds = time.perf_counter() - t0
         if plan.casts:
-            _log.info("update.cast", tensors=len(plan.casts), casts=plan.casts[:16])
+            _log.info(events.UPDATE_CAST, tensors=len(plan.casts), casts=plan.casts[:16])
         self._summary(kind, Phase.AWAKE, written, seconds)
         return UpdateResult(True, f"updated {len(plan.writes)} tensor(s) of "
                             f"{list(plan.components)} to version {self._version}",

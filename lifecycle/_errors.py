@@ -1,24 +1,46 @@
-"""The error tree of the lifecycle.
+"""The error tree of the library (``strategies`` and ``lifecycle`` share its root).
 
 ::
 
-    LifecycleError                      any refusal or failure of this library
-    ├── TransitionRejected              refused before anything moved (trigger, phase, reason)
-    │   ├── FSDPInferenceUnsupported    sleep/wake of an FSDP-managed pipeline (+RuntimeError)
-    │   ├── WeightUpdateWhileSleeping   update requested while SLEEPING
-    │   └── DrainTimeout                in-flight uses did not finish in time
-    ├── TransitionFailed                the move failed and was rolled back (cause chained)
-    ├── ComponentAsleep                 a forward or use() while SLEEPING (+RuntimeError)
-    ├── ComponentNotPlaced              a forward outside use() on an offloaded component
-    └── AdmissionTimeout                use() waited too long for a transition
+    ResidencyError                      any refusal or failure of this library (strategies)
+    ├── StoreError (+ValueError)        a module's tensors cannot be managed (strategies)
+    ├── ComponentResidencyError         a configured mode does not fit how the module was
+    │   (+ValueError)                   loaded (strategies)
+    └── LifecycleError                  any refusal or failure of the lifecycle
+        ├── TransitionRejected          refused before anything moved (trigger, phase, reason)
+        │   ├── FSDPInferenceUnsupported  sleep/wake of an FSDP-managed pipeline (+RuntimeError)
+        │   ├── WeightUpdateWhileSleeping update requested while SLEEPING
+        │   └── DrainTimeout            in-flight uses did not finish in time
+        ├── TransitionFailed            the move failed and was rolled back (cause chained)
+        ├── ComponentAsleep             a forward or use() while SLEEPING (+RuntimeError)
+        ├── ComponentNotPlaced          a forward outside use() on an offloaded component
+        └── AdmissionTimeout            use() waited too long for a transition
 
-Configuration mistakes are ``ValueError``/``TypeError`` (``ComponentResidencyError`` lives in
-``strategies``); a lifecycle error always carries structured fields besides its message.
+Configuration mistakes found while parsing (``ResidencyConfig``) are plain ``ValueError`` /
+``TypeError``; a lifecycle error always carries structured fields besides its message.
+:func:`failures_roll_back` is the one place where other errors become library errors.
 """
 
 from __future__ import annotations
 
-from ._phase import FSDP_UNSUPPORTED, SERVER_SLEEPING, UPDATE_WHILE_SLEEPING, Phase
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from strategies import ResidencyError
+
+if TYPE_CHECKING:
+    from ._phase import Phase
+
+# Messages of the reference system, kept recognisable.
+ALREADY_SLEEPING = "already sleeping"
+ALREADY_AWAKE = "already awake"
+NOT_INITIALIZED = "pipeline not initialized"
+FSDP_UNSUPPORTED = "sleep/wake does not support FSDP inference"
+SERVER_SLEEPING = "Server is sleeping. Call resume_memory_occupation first."
+UPDATE_WHILE_SLEEPING = ("Cannot update weights while the server is sleeping. "
+                         "Call resume_memory_occupation first.")
 
 __all__ = [
     "AdmissionTimeout",
@@ -30,10 +52,12 @@ __all__ = [
     "TransitionFailed",
     "TransitionRejected",
     "WeightUpdateWhileSleeping",
+    "failures_roll_back",
+    "forget_locals",
 ]
 
 
-class LifecycleError(Exception):
+class LifecycleError(ResidencyError):
     """Base of every error this library raises about the lifecycle."""
 
 
@@ -50,15 +74,15 @@ class TransitionRejected(LifecycleError):
 class FSDPInferenceUnsupported(TransitionRejected, RuntimeError):
     """Sleep/wake of a pipeline whose placement FSDP owns."""
 
-    def __init__(self, trigger: str, phase: Phase) -> None:
-        super().__init__(trigger, phase, FSDP_UNSUPPORTED)
+    def __init__(self, trigger: str, phase: Phase, reason: str = FSDP_UNSUPPORTED) -> None:
+        super().__init__(trigger, phase, reason)
 
 
 class WeightUpdateWhileSleeping(TransitionRejected):
     """A weight update was requested while the pipeline sleeps."""
 
-    def __init__(self, trigger: str, phase: Phase) -> None:
-        super().__init__(trigger, phase, UPDATE_WHILE_SLEEPING)
+    def __init__(self, trigger: str, phase: Phase, reason: str = UPDATE_WHILE_SLEEPING) -> None:
+        super().__init__(trigger, phase, reason)
 
 
 class DrainTimeout(TransitionRejected):
@@ -110,3 +134,25 @@ class AdmissionTimeout(LifecycleError, TimeoutError):
         self.component = component
         self.timeout = timeout
         self.transition = transition
+
+
+@contextmanager
+def failures_roll_back(trigger: str, phase: Callable[[], Phase]) -> Iterator[None]:
+    """The one error boundary of a move: an ``Exception`` raised inside (a failed copy or
+    allocation, after the caller rolled back) leaves as :class:`TransitionFailed` chaining
+    it; the library's own errors and cancellation pass unchanged. ``phase`` is read when
+    the error passes (it is the phase the pipeline is still in)."""
+    try:
+        yield
+    except LifecycleError:
+        raise
+    except Exception as exc:
+        raise TransitionFailed(trigger, phase(), exc) from exc
+
+
+def forget_locals(exc: BaseException) -> None:
+    """Drop the local variables of the frames ``exc`` passed through (file and line stay):
+    a failed move's frames hold its buffers, and exceptions sit in reference cycles that only
+    the cyclic collector breaks, so without this the memory a rollback released stays
+    allocated until then."""
+    traceback.clear_frames(exc.__traceback__)

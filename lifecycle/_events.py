@@ -1,27 +1,150 @@
-"""Structured events: names, the logger, and ``configure_logging`` for applications.
+"""Structured events: their names, the library's logger, and ``configure_logging``.
 
-The library never configures logging on import. Events are dotted names:
-``transition.committed``, ``transition.rejected``, ``transition.failed`` (rolled back),
-``move.done`` (per component), ``update.cast`` and so on. Tensors are never logged, only
-their shape, dtype, device and bytes.
+Events are dotted names with keyword fields, emitted through the standard :mod:`logging`
+logger ``lifecycle`` (and its children, e.g. ``lifecycle.updates``), so the *host
+application's* logging configuration decides what is shown and where:
+
+* ``transition.committed`` (info): one summary per committed attach, sleep, wake, detach
+  or weight update, with trigger, source, dest, bytes, released, seconds, gbps, rank;
+* ``transition.rejected`` (info): a transition refused before anything moved (reason);
+* ``transition.rolled_back`` (warning): a transition that failed and was undone (error);
+* ``move.prepared`` (debug): one per component moved by a transition (bytes, units, to);
+* ``store.rescan`` (warning): a component whose tensors were replaced behind our back;
+* ``use.release_failed`` / ``prefetch.failed`` (warning): a lease or prefetch that failed;
+* ``update.cast`` / ``update.skipped_components`` (info), ``update.mirror_stale``
+  (warning): weight-update details.
+
+Events inside a transition also carry ``transition`` and ``transition_id`` (structlog
+context variables bound by the controller). Tensors are never logged, only their shape,
+dtype, device and bytes.
+
+The library never configures logging on import and does not depend on structlog's global
+configuration: with no logging configured, info and debug events go nowhere and warnings
+reach stderr through :data:`logging.lastResort`, as for any library. A plain stdlib
+handler sees one record per event whose message reads ``event key=value ...`` and whose
+``record.msg`` is the event dict. :func:`configure_logging` is for applications (the
+commands): it installs one console or JSON-lines handler on the root logger.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from types import FrameType
+from typing import Any
 
 import structlog
+from structlog.stdlib import ProcessorFormatter
 
-__all__ = ["configure_logging", "get_logger"]
+TRANSITION_COMMITTED = "transition.committed"
+TRANSITION_REJECTED = "transition.rejected"
+TRANSITION_ROLLED_BACK = "transition.rolled_back"
+MOVE_PREPARED = "move.prepared"
+STORE_RESCAN = "store.rescan"
+USE_RELEASE_FAILED = "use.release_failed"
+PREFETCH_FAILED = "prefetch.failed"
+UPDATE_CAST = "update.cast"
+UPDATE_SKIPPED_COMPONENTS = "update.skipped_components"
+UPDATE_MIRROR_STALE = "update.mirror_stale"
+
+#: Every event name the library emits.
+EVENTS = frozenset({
+    TRANSITION_COMMITTED, TRANSITION_REJECTED, TRANSITION_ROLLED_BACK, MOVE_PREPARED,
+    STORE_RESCAN, USE_RELEASE_FAILED, PREFETCH_FAILED, UPDATE_CAST,
+    UPDATE_SKIPPED_COMPONENTS, UPDATE_MIRROR_STALE,
+})
+
+__all__ = [
+    "EVENTS",
+    "MOVE_PREPARED",
+    "PREFETCH_FAILED",
+    "STORE_RESCAN",
+    "TRANSITION_COMMITTED",
+    "TRANSITION_REJECTED",
+    "TRANSITION_ROLLED_BACK",
+    "UPDATE_CAST",
+    "UPDATE_MIRROR_STALE",
+    "UPDATE_SKIPPED_COMPONENTS",
+    "USE_RELEASE_FAILED",
+    "configure_logging",
+    "get_logger",
+]
+
+_HIDDEN = frozenset({"event", "level", "exc_info", "stack_info"})
+
+
+def _value(v: object) -> str:
+    s = v if isinstance(v, str) else repr(v)
+    return s if s and not any(c.isspace() or c in "\"'=" for c in s) else repr(s)
+
+
+class _Event(dict[str, Any]):
+    """The event dict carried on ``record.msg``: a ``ProcessorFormatter`` renders it as a
+    dict, a plain formatter gets ``str()``: ``event key=value ...``."""
+
+    def __str__(self) -> str:
+        head = str(self.get("event"))
+        rest = " ".join(f"{k}={_value(v)}" for k, v in self.items() if k not in _HIDDEN)
+        return f"{head} {rest}" if rest else head
+
+
+def _to_stdlib(logger: Any, method_name: str,
+               event_dict: MutableMapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Final processor: like ``ProcessorFormatter.wrap_for_formatter``, with a readable
+    ``str()`` and the exception handed to stdlib for plain handlers."""
+    args, extra = ProcessorFormatter.wrap_for_formatter(logger, method_name, dict(event_dict))
+    kwargs: dict[str, Any] = dict(extra)
+    exc_info = event_dict.get("exc_info")
+    if exc_info:
+        kwargs["exc_info"] = exc_info
+    kwargs["stacklevel"] = _stacklevel(sys._getframe(1))
+    return (_Event(args[0]),), kwargs
+
+
+def _stacklevel(processing: FrameType | None) -> int:
+    """The ``stacklevel`` that makes the record's file and line the caller's, not
+    structlog's: *processing* runs the processors, its caller calls the stdlib logger."""
+    f, level = processing.f_back if processing else None, 1
+    while f is not None and f.f_globals.get("__name__", "").startswith("structlog"):
+        f, level = f.f_back, level + 1
+    return level if f is not None else 1
+
+
+# filter_by_level first: a disabled level costs one comparison, nothing is merged or rendered.
+_PROCESSORS: list[structlog.typing.Processor] = [
+    structlog.stdlib.filter_by_level,
+    structlog.contextvars.merge_contextvars,
+    structlog.processors.add_log_level,
+    _to_stdlib,
+]
 
 
 def get_logger(name: str = "lifecycle") -> structlog.stdlib.BoundLogger:
-    return structlog.get_logger(name)  # type: ignore[no-any-return]
+    """A structlog logger writing to the stdlib logger *name*, independent of structlog's
+    global configuration (which belongs to the application)."""
+    return structlog.stdlib.BoundLogger(logging.getLogger(name), _PROCESSORS, {})
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler ``configure_logging`` installs: writes to the *current* ``sys.stderr``."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)  # StreamHandler.__init__ would pin a stream
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
 
 
 def configure_logging(json: bool | None = None, level: str = "info") -> None:
-    """Configure structlog for an application or script.
+    """Configure logging for an application or script (the commands call it once).
+
+    Installs one handler on the root logger that renders every record (the library's
+    events, the application's structlog loggers, other libraries' stdlib records) as JSON
+    lines or with a console renderer to stderr, and sets the root level to *level*. It
+    also points structlog's global configuration at stdlib, so ``structlog.get_logger()``
+    in the application goes the same way. Calling it again replaces the handler.
 
     ``json=None`` picks JSON lines when stderr is not a terminal, a console renderer
     otherwise. Tracebacks are rendered without local variables: a local holding a freed
@@ -31,23 +154,36 @@ def configure_logging(json: bool | None = None, level: str = "info") -> None:
         json = not sys.stderr.isatty()
     lvl = logging.getLevelNamesMapping()[level.upper()]
     logging.getLogger("transitions").setLevel(logging.WARNING)
-    processors: list[structlog.typing.Processor] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
+    renderer: list[structlog.typing.Processor]
     if json:
-        processors += [
+        renderer = [
             structlog.processors.ExceptionRenderer(
                 structlog.tracebacks.ExceptionDictTransformer(show_locals=False)),
             structlog.processors.JSONRenderer(),
         ]
     else:
-        processors.append(structlog.dev.ConsoleRenderer(
-            exception_formatter=structlog.dev.plain_traceback))
+        renderer = [structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)]
+    handler = _StderrHandler()
+    handler.setFormatter(ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.stdlib.add_logger_name,
+        ],
+        processors=[
+            ProcessorFormatter.remove_processors_meta,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *renderer,
+        ],
+    ))
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(lvl)
     structlog.configure(
-        processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        processors=_PROCESSORS,
+        wrapper_class=structlog.stdlib.BoundLogger,
+        logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=False,
     )

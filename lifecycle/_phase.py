@@ -10,15 +10,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ._errors import (
+    ALREADY_AWAKE,
+    ALREADY_SLEEPING,
+    NOT_INITIALIZED,
+    UPDATE_WHILE_SLEEPING,
+    TransitionRejected,
+    WeightUpdateWhileSleeping,
+)
+
 __all__ = [
-    "ALREADY_AWAKE",
-    "ALREADY_SLEEPING",
-    "FSDP_UNSUPPORTED",
-    "NOT_INITIALIZED",
     "REFUSALS",
-    "SERVER_SLEEPING",
     "TRANSITIONS",
-    "UPDATE_WHILE_SLEEPING",
     "Phase",
     "Refusal",
     "Transition",
@@ -40,30 +43,19 @@ class Transition:
     trigger: str
     source: Phase
     dest: Phase
-    doc: str
 
 
 U, A, S, W = Phase.UNINITIALIZED, Phase.AWAKE, Phase.SLEEPING, Phase.UPDATING_WEIGHTS
 
 TRANSITIONS: tuple[Transition, ...] = (
-    Transition("attach", U, A, "components moved to the device, strategies built"),
-    Transition("sleep", A, S, "device memory released; weights kept in host mirrors"),
-    Transition("wake", S, A, "weights restored to their awake placement"),
-    Transition("begin_update", A, W, "admission closed, in-flight uses drained"),
-    Transition("end_update", W, A, "new weights committed (or the old ones restored)"),
-    Transition("detach", A, U, "weights left on the host, hooks removed"),
-    Transition("detach", S, U, "weights left on the host, hooks removed"),
+    Transition("attach", U, A),
+    Transition("sleep", A, S),
+    Transition("wake", S, A),
+    Transition("begin_update", A, W),
+    Transition("end_update", W, A),
+    Transition("detach", A, U),
+    Transition("detach", S, U),
 )
-
-# Messages of the reference system, kept recognisable.
-ALREADY_SLEEPING = "already sleeping"
-ALREADY_AWAKE = "already awake"
-NOT_INITIALIZED = "pipeline not initialized"
-FSDP_UNSUPPORTED = "sleep/wake does not support FSDP inference"
-SERVER_SLEEPING = "Server is sleeping. Call resume_memory_occupation first."
-UPDATE_WHILE_SLEEPING = ("Cannot update weights while the server is sleeping. "
-                         "Call resume_memory_occupation first.")
-
 
 class Refusal(enum.Enum):
     """How a (trigger, phase) pair that is not a transition is answered."""
@@ -73,19 +65,21 @@ class Refusal(enum.Enum):
     REJECT = "TransitionRejected raised"
 
 
-# (trigger, phase) -> (how, message). Pairs in neither table are rejected with a generic
-# reason naming the valid phases. FSDP checks come from the controller (they depend on the
-# pipeline, not the phase).
-REFUSALS: dict[tuple[str, Phase], tuple[Refusal, str]] = {
-    ("sleep", S): (Refusal.NOOP, ALREADY_SLEEPING),
-    ("sleep", U): (Refusal.FAIL, NOT_INITIALIZED),
-    ("wake", A): (Refusal.NOOP, ALREADY_AWAKE),
-    ("wake", U): (Refusal.FAIL, NOT_INITIALIZED),
-    ("begin_update", U): (Refusal.FAIL, NOT_INITIALIZED),
-    ("begin_update", S): (Refusal.REJECT, UPDATE_WHILE_SLEEPING),
-    ("attach", A): (Refusal.REJECT, "a pipeline is already attached; detach() it first"),
-    ("attach", S): (Refusal.REJECT, "a pipeline is already attached; detach() it first"),
-    ("detach", U): (Refusal.NOOP, "no pipeline attached"),
+# (trigger, phase) -> (how, message, error raised for REJECT). Pairs in neither table are
+# rejected with a generic reason naming the valid phases. FSDP checks come from the
+# controller (they depend on the pipeline, not the phase).
+REFUSALS: dict[tuple[str, Phase], tuple[Refusal, str, type[TransitionRejected] | None]] = {
+    ("sleep", S): (Refusal.NOOP, ALREADY_SLEEPING, None),
+    ("sleep", U): (Refusal.FAIL, NOT_INITIALIZED, None),
+    ("wake", A): (Refusal.NOOP, ALREADY_AWAKE, None),
+    ("wake", U): (Refusal.FAIL, NOT_INITIALIZED, None),
+    ("begin_update", U): (Refusal.FAIL, NOT_INITIALIZED, None),
+    ("begin_update", S): (Refusal.REJECT, UPDATE_WHILE_SLEEPING, WeightUpdateWhileSleeping),
+    ("attach", A): (Refusal.REJECT, "a pipeline is already attached; detach() it first",
+                    TransitionRejected),
+    ("attach", S): (Refusal.REJECT, "a pipeline is already attached; detach() it first",
+                    TransitionRejected),
+    ("detach", U): (Refusal.NOOP, "no pipeline attached", None),
 }
 
 
@@ -93,7 +87,7 @@ def mermaid() -> str:
     """The state machine as a Mermaid ``stateDiagram-v2``, from :data:`TRANSITIONS`."""
     lines = ["stateDiagram-v2", f"    [*] --> {U.value}"]
     lines += [f"    {t.source.value} --> {t.dest.value}: {t.trigger}" for t in TRANSITIONS]
-    for (trigger, phase), (how, message) in REFUSALS.items():
+    for (trigger, phase), (how, message, _) in REFUSALS.items():
         if how is Refusal.NOOP:
             lines.append(f"    {phase.value} --> {phase.value}: {trigger} ({message})")
     return "\n".join(lines) + "\n"

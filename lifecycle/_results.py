@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from ._checkpoint import gbps
 from ._phase import Phase
 
 __all__ = ["ComponentPlacement", "OccupationResult", "PlacementReport", "UpdateResult"]
@@ -26,7 +27,7 @@ class OccupationResult:
 
     @property
     def gbps(self) -> float:
-        return self.bytes_moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return gbps(self.bytes_moved, self.seconds)
 
     def as_dict(self) -> dict[str, Any]:
         """The reference's wire format plus our extra fields."""

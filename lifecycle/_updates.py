@@ -1,19 +1,12 @@
-"""Weight updates: validate everything, back up, write, and roll back on any failure.
+"""Weight updates: validate everything first, then write through the stores' two-phase
+writes (:meth:`strategies.TensorStore.prepare_write`), all or nothing.
 
 A plan is built first and nothing is written until every check passed: target components
 exist, every target has weight files, every key names a parameter or buffer (the reference
-silently ignores unknown keys: that is how stale weights get served), every shape matches.
-Dtype differences are cast to the parameter's dtype and reported.
-
-Writing is all-or-nothing across every tensor of every target component: the old bytes of
-every tensor to be written are copied into host memory first; on any failure after writing
-started (a copy, an I/O error, a cancellation) every written tensor is restored from that
-backup, not by re-reading an old checkpoint.
-
-Where the bytes are written depends on where they live: a tensor on the device is written
-there, and in its host mirror too when the mirror was current (so the next sleep still copies
-nothing); a tensor on the host (offloaded components, streamed layers) is written in its host
-store only, with no device round trip. Parameter objects keep their identity.
+silently ignores unknown keys: that is how stale weights get served), every shape matches,
+and names tied to one tensor carry one value. Dtype differences are cast to the parameter's
+dtype and reported. The controller then prepares one write per component on the road every
+transition travels: a failure or a cancellation undoes every write, from in-memory backups.
 """
 
 from __future__ import annotations
@@ -27,17 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio.to_thread
 import torch
 from safetensors import SafetensorError, safe_open
 
-from strategies import DeviceLayer, TensorStore
-from strategies._store import Unit, _Slot, forget_locals
+from strategies import TensorStore, WriteSource
 
+from . import _events as events
 from ._events import get_logger
 
-__all__ = ["UpdatePlan", "UpdateRefused", "apply_plan", "checksum", "plan_from_disk",
-           "plan_from_tensors"]
+__all__ = ["UpdatePlan", "UpdateRefused", "checksum", "plan_from_disk", "plan_from_tensors"]
 
 _log = get_logger("lifecycle.updates")
 
@@ -47,7 +38,6 @@ _ST_DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-_CHUNK = 256 * 2**20  # bytes loaded per worker-thread call
 
 
 class UpdateRefused(ValueError):
@@ -58,8 +48,6 @@ class UpdateRefused(ValueError):
 class _Write:
     component: str
     name: str
-    slot: _Slot
-    unit: Unit
     load: Callable[[], torch.Tensor]
     nbytes: int
 
@@ -76,6 +64,10 @@ class UpdatePlan:
     @property
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self.writes)
+
+    def sources(self, component: str) -> list[WriteSource]:
+        """What to write into ``component``, in plan order."""
+        return [WriteSource(w.name, w.load) for w in self.writes if w.component == component]
 
     def close(self) -> None:
         for h in self.handles:
@@ -94,17 +86,12 @@ def _check_targets(stores: Mapping[str, TensorStore], targets: Sequence[str]) ->
                             f"Available Module(s): {sorted(stores)}")
 
 
-def _slots_by_name(store: TensorStore) -> dict[str, tuple[_Slot, Unit]]:
-    return {n: (slot, unit) for unit in store.units for slot in unit.slot_list for n in slot.names}
-
-
 class _Planner:
     """Collects writes for one update, checking names, shapes and duplicates."""
 
     def __init__(self, stores: Mapping[str, TensorStore]) -> None:
         self.stores = stores
         self.plan = UpdatePlan([], ())
-        self._index: dict[str, dict[str, tuple[_Slot, Unit]]] = {}
         self._seen: dict[int, tuple[str, Callable[[], torch.Tensor]]] = {}
         # (first name, its loader, second name, its loader, model dtype): one tensor given
         # under two tied names (T5's `shared.weight` / `encoder.embed_tokens.weight`).
@@ -114,28 +101,25 @@ class _Planner:
 
     def add(self, component: str, name: str, shape: Sequence[int], dtype: torch.dtype,
             load: Callable[[], torch.Tensor]) -> None:
-        index = self._index.setdefault(component, _slots_by_name(self.stores[component]))
-        found = index.get(name)
-        if found is None:
+        model = self.stores[component].tensor_named(name)
+        if model is None:
             self.unknown.append(f"{component}.{name}")
             return
-        slot, unit = found
-        model = slot.tensor
         if tuple(shape) != tuple(model.shape):
             raise UpdateRefused(f"Shape mismatch for {name}: model={_shape(model.shape)}, "
                                 f"loaded={_shape(shape)}")
         label = f"{component}.{name}"
-        if id(slot) in self._seen:
-            first, first_load = self._seen[id(slot)]
+        if id(model) in self._seen:
+            first, first_load = self._seen[id(model)]
             if first == label:
                 raise UpdateRefused(f"tensor {label} is given twice")
             # Tied names of one tensor: written once, if the values agree (checked in finish).
             self._tied.append((first, first_load, label, load, model.dtype))
             return
-        self._seen[id(slot)] = (label, load)
+        self._seen[id(model)] = (label, load)
         if dtype != model.dtype:
             self.plan.casts.append(f"{component}.{name}: {dtype} -> {model.dtype}")
-        self.plan.writes.append(_Write(component, name, slot, unit, load, model.nbytes))
+        self.plan.writes.append(_Write(component, name, load, model.nbytes))
 
     def finish(self, components: Sequence[str]) -> UpdatePlan:
         if self.unknown:
@@ -237,7 +221,7 @@ def plan_from_disk(stores: Mapping[str, TensorStore], path: str | os.PathLike[st
                 raise UpdateRefused(f"Cannot update weights: missing weight files for modules: "
                                     f"{missing}. No partial updates allowed.")
             if extra:
-                _log.info("update.skipped_components", components=extra)
+                _log.info(events.UPDATE_SKIPPED_COMPONENTS, components=extra)
         return planner.finish(sorted(set(targets or components)))
     wanted = list(targets) if targets is not None else \
         [c for c in stores if _files_of(root / c)]
@@ -252,111 +236,6 @@ def plan_from_disk(stores: Mapping[str, TensorStore], path: str | os.PathLike[st
         for file in _files_of(root / comp):
             _add_file(planner, _open(file, planner.plan), file, comp, components)
     return planner.finish(wanted)
-
-
-# -- applying ---------------------------------------------------------------------------
-def _live(w: _Write) -> torch.Tensor:
-    return w.slot.tensor.detach()
-
-
-def _mirrored(w: _Write) -> bool:
-    """Whether ``w``'s tensor is on the device with a current host mirror: the mirror is then
-    its backup, and is brought up to date only once every device write has succeeded."""
-    return (w.unit.where == "device" and w.unit.mirror_current and w.slot.host_view is not None
-            and w.slot.version == w.slot.tensor._version)
-
-
-def _load_chunk(writes: Sequence[_Write]) -> list[torch.Tensor]:
-    out = []
-    for w in writes:
-        src = w.load()
-        out.append(src if src.dtype == w.slot.tensor.dtype else src.to(w.slot.tensor.dtype))
-    return out
-
-
-def _chunks(writes: list[_Write]) -> Iterable[list[_Write]]:
-    chunk: list[_Write] = []
-    size = 0
-    for w in writes:
-        chunk.append(w)
-        size += w.nbytes
-        if size >= _CHUNK:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-def _tier(t: torch.Tensor, layer: DeviceLayer) -> str:
-    return "device" if t.device == layer.device and layer.device.type != "cpu" else "host"
-
-
-async def _copy(layer: DeviceLayer, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    if pairs:
-        await layer.copy(pairs, "device" if any(_tier(d, layer) == "device" for d, _ in pairs)
-                         else "host")
-
-
-def _backup(w: _Write, layer: DeviceLayer, on_device: bool) -> torch.Tensor:
-    t = w.slot.tensor
-    if not w.nbytes:
-        return torch.empty_like(t, device="cpu")
-    buf = layer.alloc(w.nbytes, "device") if on_device else \
-        layer.alloc(w.nbytes, "host", pinned=False)
-    return buf.view(t.dtype).view(t.shape)
-
-
-async def apply_plan(plan: UpdatePlan, layer: DeviceLayer) -> int:
-    """Write every tensor of ``plan`` or none; returns the bytes written.
-
-    1. Back up what has no current copy elsewhere: tensors on the host (offloaded components,
-       streamed layers) and device tensors whose mirror is stale. A device tensor with a
-       current mirror needs no backup: the mirror is one. Backups of device tensors stay on
-       the device when it has room (no device-to-host copy of the whole model on CUDA).
-    2. Write the live tensors, chunk by chunk as sources are read. Any failure or
-       cancellation restores every written tensor from its backup or mirror.
-    3. Bring the mirrors used as backups up to date from the device (so the next sleep copies
-       nothing). The update is already complete: a failure here only marks the mirror stale.
-    """
-    writes = plan.writes
-    mirrored = [_mirrored(w) for w in writes]
-    was_clean = [w.slot.version == w.slot.tensor._version for w in writes]
-    on_device = [w for w, m in zip(writes, mirrored, strict=True)
-                 if not m and _live(w).device.type != "cpu"]
-    free = layer.free_bytes()
-    backup_on_device = free is None or free > 2 * sum(w.nbytes for w in on_device)
-    backups: dict[int, torch.Tensor] = {}
-    written = 0  # writes (in plan order) whose live tensor may have been touched
-    try:
-        for w, m in zip(writes, mirrored, strict=True):
-            if not m:
-                dev = backup_on_device and _live(w).device.type != "cpu"
-                backups[id(w)] = _backup(w, layer, dev)
-        await _copy(layer, [(backups[id(w)], _live(w)) for w in writes if id(w) in backups])
-        for chunk in _chunks(writes):
-            sources = await anyio.to_thread.run_sync(_load_chunk, chunk)
-            written += len(chunk)
-            await _copy(layer, [(_live(w), src) for w, src in zip(chunk, sources, strict=True)])
-    except BaseException as exc:
-        forget_locals(exc)  # frames that held sources and backups
-        with anyio.CancelScope(shield=True):
-            done = writes[:written]
-            await _copy(layer, [(_live(w), backups.get(id(w), w.slot.host_view))  # type: ignore[misc]
-                                for w in done])
-            for w, clean in zip(done, was_clean, strict=False):
-                w.slot.version = w.slot.tensor._version if clean else -1
-        raise
-    try:
-        await _copy(layer, [(w.slot.host_view, _live(w))  # type: ignore[misc]
-                            for w, m in zip(writes, mirrored, strict=True) if m])
-    except Exception as exc:  # the device holds the new weights: only the mirror is stale
-        _log.warning("update.mirror_stale", error=f"{type(exc).__name__}: {exc}")
-        mirrored = [False] * len(writes)
-    for w, m in zip(writes, mirrored, strict=True):
-        # Clean when every copy of the bytes was written: device and mirror, or the host
-        # store itself.
-        w.slot.version = w.slot.tensor._version if m or w.unit.where == "host" else -1
-    return plan.nbytes
 
 
 def checksum(store: TensorStore) -> str:

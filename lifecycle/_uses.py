@@ -18,13 +18,13 @@ import anyio
 import anyio.abc
 from torch import nn
 
-from strategies import DeviceLayer, Move, ResidencyStrategy
-from strategies._guard import ComputeGuard
+from strategies import ComputeGuard, DeviceLayer, Move, ResidencyStrategy
 
+from . import _events as events
 from ._admission import Admission
-from ._errors import ComponentAsleep, TransitionFailed, TransitionRejected
+from ._errors import NOT_INITIALIZED, ComponentAsleep, TransitionRejected, failures_roll_back
 from ._events import get_logger
-from ._phase import NOT_INITIALIZED, Phase
+from ._phase import Phase
 
 __all__ = ["Component", "Uses"]
 
@@ -131,23 +131,22 @@ class Uses:
             c.users += 1
             if c.users > 1:
                 return
-            try:
-                pf = c.prefetch
-                if pf is not None and pf.ready:
-                    c.prefetch = None
-                    self.admission.give(pf.lease)
-                    move = pf.move
-                else:
-                    move = await c.strategy.prepare_use()
-                if move is not None:
-                    move.commit()
-            except BaseException as exc:
-                c.users -= 1
-                with anyio.CancelScope(shield=True):
-                    await c.strategy.finish_use()
-                if isinstance(exc, Exception):
-                    raise TransitionFailed("use", self.phase(), exc) from exc
-                raise
+            with failures_roll_back("use", self.phase):
+                try:
+                    pf = c.prefetch
+                    if pf is not None and pf.ready:
+                        c.prefetch = None
+                        self.admission.give(pf.lease)
+                        move = pf.move
+                    else:
+                        move = await c.strategy.prepare_use()
+                    if move is not None:
+                        move.commit()
+                except BaseException:
+                    c.users -= 1
+                    with anyio.CancelScope(shield=True):
+                        await c.strategy.finish_use()
+                    raise
 
     async def _release(self, c: Component) -> None:
         async with c.lock:
@@ -159,7 +158,7 @@ class Uses:
             except Exception as exc:
                 # The component stays where it is (consistent, mirror not current); the
                 # next sleep copies it. Reported, not raised over the user's own result.
-                _log.warning("use.release_failed", component=c.name,
+                _log.warning(events.USE_RELEASE_FAILED, component=c.name,
                              error=f"{type(exc).__name__}: {exc}", rank=self.rank)
 
     # -- request and prefetch ----------------------------------------------------------
@@ -223,7 +222,7 @@ class Uses:
                             pf.ready = True
                             return
             except Exception as exc:
-                _log.warning("prefetch.failed", component=c.name,
+                _log.warning(events.PREFETCH_FAILED, component=c.name,
                              error=f"{type(exc).__name__}: {exc}", rank=self.rank)
         with anyio.CancelScope(shield=True):
             await self._drop_prefetch(c, pf)

@@ -54,6 +54,8 @@ class PipelineRunner:
         self.pipeline = pipeline
         self.ctl = ctl
         self._order = None if order is None else tuple(order)
+        # The pipeline's calls run in threads of their own, not in anyio's shared pool.
+        self._threads = anyio.CapacityLimiter(4)
 
     @classmethod
     async def attach(cls, pipeline: Any, ctl: LifecycleController, *,
@@ -98,7 +100,5 @@ class PipelineRunner:
         async with self.ctl.request(order), contextlib.AsyncExitStack() as uses:
             for name in order:
                 await uses.enter_async_context(self.ctl.use(name))
-            return await anyio.to_thread.run_sync(call)
-
-    generate = __call__
+            return await anyio.to_thread.run_sync(call, limiter=self._threads)
 

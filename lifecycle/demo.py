@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checkpoint import unique_tensors
+
 __all__ = ["DemoConfig", "DemoPipeline", "DiTBlock", "parse_size"]
 
 VOCAB = 1024
@@ -296,12 +298,9 @@ def _widths(x: float) -> tuple[int, int]:
 
 def _unique_tensors(modules: dict[str, nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer of ``modules`` once (tied weights once), in a fixed order."""
-    seen: set[int] = set()
-    for cname, module in modules.items():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            if id(t) not in seen:
-                seen.add(id(t))
-                yield f"{cname}.{name}", t
+    return iter(unique_tensors(
+        (f"{cname}.{name}", t) for cname, module in modules.items()
+        for name, t in [*module.named_parameters(), *module.named_buffers()]).items())
 
 
 def _nbytes(modules: dict[str, nn.Module]) -> int:

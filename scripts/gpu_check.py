@@ -173,17 +173,17 @@ async def concurrent_layerwise(size: int, device: torch.device) -> None:
     await ctl.detach()
 
 
-def run_script(name: str, args: list[str], timeout: int) -> None:
-    root = Path(__file__).resolve().parent
+def run_bench(which: str, args: list[str], timeout: int) -> None:
+    """``residency bench <which> ... --json`` in a subprocess; its JSON joins the results."""
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, str(root / name), *args, "--json"],
+    done = subprocess.run([sys.executable, "-m", "lifecycle", "bench", which, *args, "--json"],
                           capture_output=True, text=True, timeout=timeout)
     try:
-        RESULTS[name] = json.loads(done.stdout)
+        RESULTS[f"bench {which}"] = json.loads(done.stdout)
     except json.JSONDecodeError:
-        RESULTS[name] = {"stdout": done.stdout[-2000:], "stderr": done.stderr[-2000:]}
-    print(f"{'PASS' if done.returncode == 0 else 'FAIL'}  {name} {' '.join(args)} "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        RESULTS[f"bench {which}"] = {"stdout": done.stdout[-2000:], "stderr": done.stderr[-2000:]}
+    print(f"{'PASS' if done.returncode == 0 else 'FAIL'}  residency bench {which} "
+          f"{' '.join(args)} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(done.stdout[-4000:], flush=True)
 
 
@@ -206,9 +206,9 @@ def main() -> int:
     anyio.run(updates, min(size, parse_size("1GiB")), device, out / "ckpt")
     if not args.skip_bench:
         dev = ["--device", device.type]
-        run_script("bench_sleep_wake.py", ["--size", args.size, "--repeats", "3", *dev], 300)
-        run_script("bench_update.py", ["--size", "1GiB", "--repeats", "3", *dev], 300)
-        run_script("bench_residency.py", ["--repeats", "5", *dev], 300)
+        run_bench("sleep-wake", ["--size", args.size, "--repeats", "3", *dev], 300)
+        run_bench("update", ["--size", "1GiB", "--repeats", "3", *dev], 300)
+        run_bench("residency", ["--repeats", "5", *dev], 300)
     (out / "gpu_check.json").write_text(json.dumps(RESULTS, indent=2, default=str))
     failed = [k for k, v in RESULTS.items() if isinstance(v, dict) and v.get("pass") is False]
     print(f"{len(failed)} failed: {failed}" if failed else "all checks passed")

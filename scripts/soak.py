@@ -43,7 +43,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from lifecycle import LifecycleController, Phase, TransitionFailed, configure_logging
-from lifecycle.bench import set_malloc
+from lifecycle.cli.bench import set_malloc
 from lifecycle.demo import DemoPipeline, parse_size
 from lifecycle.testing import InjectedFault, faulty_device_layer
 
@@ -240,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(json=True, level="error")  # rolled-back faults log warnings by design
     with Progress(transient=True, disable=args.json) as progress:
         task = progress.add_task("soak", total=args.cycles)
-        res = anyio.run(Soak(args).run, lambda i: i % 10 or args.json or progress.update(task, completed=i))
+
+        def tick(cycle: int) -> None:
+            if cycle % 10 == 0 and not args.json:
+                progress.update(task, completed=cycle)
+
+        res = anyio.run(Soak(args).run, tick)
     print(json.dumps(res, indent=2)) if args.json else print_summary(res)
     return 0 if res["ok"] else 1
 

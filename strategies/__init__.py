@@ -18,18 +18,21 @@ from ._device import (
     make_device_layer,
     resolve_device,
 )
+from ._errors import ResidencyError
 from ._factory import ComponentResidencyError, build_strategy, is_fsdp_managed
 from ._guard import ComputeGuard
 from ._layerwise import (
     LayerwiseOffloadStrategy,
     detect_block_lists,
+    disable_layerwise_offload,
     enable_layerwise_offload,
     is_layerwise_offloaded,
     layerwise_blocks,
 )
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._resident import ResidentStrategy
-from ._store import Fetch, Move, StoreError, StoreReport, TensorStore, Unit
+from ._store import Move, PreparedMove, StoreError, StoreReport, TensorStore, Unit
+from ._write import WriteMove, WriteSource
 
 __all__ = [
     "DIT_GROUP",
@@ -42,11 +45,12 @@ __all__ = [
     "CpuDevice",
     "CudaDevice",
     "DeviceLayer",
-    "Fetch",
     "LayerwiseOffloadStrategy",
     "LayerwiseTuning",
     "Move",
+    "PreparedMove",
     "ResidencyConfig",
+    "ResidencyError",
     "ResidencyMode",
     "ResidencyStrategy",
     "ResidentStrategy",
@@ -55,8 +59,11 @@ __all__ = [
     "StoreReport",
     "TensorStore",
     "Unit",
+    "WriteMove",
+    "WriteSource",
     "build_strategy",
     "detect_block_lists",
+    "disable_layerwise_offload",
     "enable_layerwise_offload",
     "group_of",
     "is_fsdp_managed",

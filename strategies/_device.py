@@ -48,10 +48,6 @@ class CopyHandle(Protocol):
         Re-raises an error the copy hit."""
         ...
 
-    def done(self) -> bool:
-        """Whether the copy has finished (never blocks)."""
-        ...
-
 
 class _FutureHandle:
     def __init__(self, future: Future[None]) -> None:
@@ -59,9 +55,6 @@ class _FutureHandle:
 
     def wait(self) -> None:
         self._future.result()
-
-    def done(self) -> bool:
-        return self._future.done()
 
 
 class _EventHandle:  # pragma: no cover - CUDA only
@@ -71,9 +64,6 @@ class _EventHandle:  # pragma: no cover - CUDA only
 
     def wait(self) -> None:
         torch.cuda.current_stream(self._device).wait_event(self._event)
-
-    def done(self) -> bool:
-        return bool(self._event.query())  # type: ignore[no-untyped-call]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -170,6 +160,10 @@ class DeviceLayer:
     def synchronize(self) -> None:
         """Block until all queued device work is done (scripts and tests only)."""
 
+    def close(self) -> None:
+        """Stop the layer's own threads (waiting for copies in flight); it starts them again
+        if used after."""
+
 
 class CpuDevice(DeviceLayer):
     """CPU tensors as the device tier; copies run in one worker thread per layer."""
@@ -184,6 +178,11 @@ class CpuDevice(DeviceLayer):
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="residency-copy")
         return _FutureHandle(self._copier.submit(self._copy_batch, list(pairs)))
+
+    def close(self) -> None:
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.shutdown(wait=True)
 
     async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
         if pairs:

@@ -7,6 +7,7 @@ from torch import nn
 from ._base import ResidencyStrategy
 from ._config import ResidencyConfig, ResidencyMode
 from ._device import CpuDevice, DeviceLayer
+from ._errors import ResidencyError
 from ._layerwise import LayerwiseOffloadStrategy, is_layerwise_offloaded, layer_keys
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._resident import ResidentStrategy
@@ -15,7 +16,7 @@ from ._store import TensorStore
 __all__ = ["ComponentResidencyError", "build_strategy", "is_fsdp_managed"]
 
 
-class ComponentResidencyError(ValueError):
+class ComponentResidencyError(ResidencyError, ValueError):
     """A component's configured mode does not fit how its module was loaded."""
 
 

@@ -27,16 +27,20 @@ import threading
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+import anyio
 import torch
 from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from ._chunks import chunked
 from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
+from ._errors import ResidencyError
+from ._write import WriteMove, WriteSource, prepare_write
 
-__all__ = ["ALIGN", "CHUNK", "Fetch", "Move", "Progress", "StoreError", "StoreReport",
+__all__ = ["ALIGN", "CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreError", "StoreReport",
            "TensorStore", "Unit", "forget_locals"]
 
 # Byte alignment of every storage inside a unit buffer: keeps dtype views legal, and GEMM
@@ -47,7 +51,7 @@ CHUNK = 256 * 2**20  # bytes per copy batch: progress and cancellation points in
 Progress = Callable[[int], None]  # told the bytes of each copied chunk
 
 
-class StoreError(ValueError):
+class StoreError(ResidencyError, ValueError):
     """A module's tensors cannot be managed (meta, sparse, on a foreign device, drifted)."""
 
 
@@ -134,6 +138,22 @@ class StoreReport:
     pinned_bytes: int
 
 
+class PreparedMove(Protocol):
+    """What every prepared move offers the transaction that prepared it: commit (cannot
+    fail), undo (if anything else failed), settle (after commit; returns instead of raising).
+    :class:`Move` (placement) and :class:`~strategies._write.WriteMove` (new values) are
+    prepared moves."""
+
+    store: TensorStore
+    bytes_copied: int
+
+    def commit(self) -> None: ...
+
+    async def undo(self) -> None: ...
+
+    async def settle(self) -> BaseException | None: ...
+
+
 @dataclass(eq=False)
 class Move:
     """A prepared move: bytes copied, nothing re-pointed yet. ``commit`` or ``rollback``."""
@@ -167,6 +187,15 @@ class Move:
         self._forget_buffers()
         for unit in self.new_mirrors:
             self.store.drop_mirror(unit)
+
+    async def undo(self) -> None:
+        """:meth:`rollback`, for callers that undo moves of every kind (a write's undo
+        copies bytes back)."""
+        self.rollback()
+
+    async def settle(self) -> BaseException | None:
+        """Work after commit that cannot undo it (none for a placement move)."""
+        return None
 
 
 @dataclass(eq=False)
@@ -347,6 +376,7 @@ class TensorStore:
             else:
                 self.units += [self._make_unit(st_.slots[0].names[0], [st_]) for st_ in group]
         self.by_key = {u.key: u for u in self.units}
+        self._by_name: dict[str, tuple[_Slot, Unit]] | None = None
         self._all_slots = [slot for u in self.units for slot in u.slot_list]
         for u in self.units:
             on_device = all(s.tensor.device == self.layer.device for s in u.slot_list)
@@ -509,28 +539,39 @@ class TensorStore:
         unit.mirror_current = True
 
     # -- moves ---------------------------------------------------------------------
+    def slot_named(self, name: str) -> tuple[_Slot, Unit]:
+        """The tensor called ``name`` (any of its names) and its unit; KeyError if none."""
+        if self._by_name is None:
+            self._by_name = {n: (slot, u) for u in self.units for slot in u.slot_list
+                             for n in slot.names}
+        return self._by_name[name]
+
+    def tensor_named(self, name: str) -> torch.Tensor | None:
+        """The live tensor called ``name`` (parameter, buffer or attribute), if any."""
+        try:
+            return self.slot_named(name)[0].tensor
+        except KeyError:
+            return None
+
+    async def prepare_write(self, sources: Sequence[WriteSource],
+                            limiter: anyio.CapacityLimiter | None = None) -> WriteMove:
+        """Write new values into tensors, undoably: see :mod:`strategies._write`."""
+        return await prepare_write(self, sources, limiter)
+
     def select(self, where: Tier, keys: Iterable[str] | None = None,
                pred: Callable[[Unit], bool] | None = None) -> list[Unit]:
         """Units currently on ``where``, optionally only those in ``keys`` / matching ``pred``."""
         units = self.units if keys is None else [self.by_key[k] for k in keys]
         return [u for u in units if u.where == where and (pred is None or pred(u))]
 
-    async def _copy(self, pairs: list[CopyPair], to: Tier, progress: Progress | None) -> None:
-        """Copy in chunks of about :data:`CHUNK` bytes, telling ``progress`` after each (a
-        progress bar, and a cancellation point between chunks)."""
-        chunk: list[CopyPair] = []
-        size = 0
-        for pair in pairs:
-            chunk.append(pair)
-            size += pair[0].nbytes
-            if size >= CHUNK:
-                await self.layer.copy(chunk, to)
-                if progress:
-                    progress(size)
-                chunk, size = [], 0
-        await self.layer.copy(chunk, to)
-        if progress and size:
-            progress(size)
+    async def copy_pairs(self, pairs: Sequence[CopyPair], to: Tier,
+                         progress: Progress | None = None) -> None:
+        """Copy ``(dst, src)`` pairs in chunks of about :data:`CHUNK` bytes, telling
+        ``progress`` after each (a progress bar, and a cancellation point between chunks)."""
+        for chunk in chunked(pairs, lambda pair: int(pair[0].nbytes), CHUNK):
+            await self.layer.copy(chunk, to)
+            if progress:
+                progress(sum(int(dst.nbytes) for dst, _ in chunk))
 
     async def prepare_to_device(self, units: Sequence[Unit],
                                 progress: Progress | None = None) -> Move:
@@ -544,7 +585,7 @@ class TensorStore:
                 move.buffers.append(buf)
                 self.add_pending(unit.nbytes)
                 pairs.append((buf, unit.host))
-            await self._copy(pairs, "device", progress)
+            await self.copy_pairs(pairs, "device", progress)
         except BaseException as exc:
             move.rollback()
             forget_locals(exc)
@@ -569,7 +610,7 @@ class TensorStore:
                 elif not copy_back and not unit.mirror_current:
                     raise StoreError(f"unit {unit.key!r} of component {self.name!r} has no "
                                      "current host copy to fall back to")
-            await self._copy(pairs, "host", progress)
+            await self.copy_pairs(pairs, "host", progress)
         except BaseException as exc:
             move.rollback()
             forget_locals(exc)

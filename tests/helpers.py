@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+from typing import TypeVar
 
 import torch
 from torch import nn
+
+M = TypeVar("M", bound=nn.Module)
 
 
 class TiedLM(nn.Module):
     """Embedding with a tied output head, a persistent and a non-persistent buffer, and a
     buffer that is a view of a parameter's storage."""
+
+    scale: torch.Tensor
+    freqs: torch.Tensor
+    first_row: torch.Tensor
 
     def __init__(self, vocab: int = 32, dim: int = 16) -> None:
         super().__init__()
@@ -40,6 +47,22 @@ def small_pipeline(seed: int = 0) -> dict[str, nn.Module]:
     }
 
 
+def tied_lm(pipe: dict[str, nn.Module]) -> TiedLM:
+    """``small_pipeline``'s text encoder, typed as the ``TiedLM`` it is."""
+    lm = pipe["text_encoder"]
+    assert isinstance(lm, TiedLM)
+    return lm
+
+
+def layer(seq: nn.Module, index: int, kind: type[M]) -> M:
+    """``seq[index]`` of an ``nn.Sequential`` (as ``small_pipeline``'s transformer and vae
+    are), checked to be a ``kind``."""
+    assert isinstance(seq, nn.Sequential)
+    sub = seq[index]
+    assert isinstance(sub, kind)
+    return sub
+
+
 def run_pipeline(pipe: dict[str, nn.Module]) -> list[torch.Tensor]:
     with torch.no_grad():
         ids = torch.arange(6).reshape(1, 6)
@@ -51,7 +74,7 @@ def run_pipeline(pipe: dict[str, nn.Module]) -> list[torch.Tensor]:
 def fingerprint(module: nn.Module) -> str:
     """SHA-256 over every parameter and buffer (name, dtype, shape, bytes)."""
     h = hashlib.sha256()
-    tensors = list(module.named_parameters(remove_duplicate=False))
+    tensors: list[tuple[str, torch.Tensor]] = list(module.named_parameters(remove_duplicate=False))
     tensors += list(module.named_buffers(remove_duplicate=False))
     for name, t in sorted(tensors, key=lambda nt: nt[0]):
         c = t.detach().to("cpu")

@@ -2,29 +2,56 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import lifecycle
 import strategies
 
 
-def test_lifecycle_exports_the_contract_names() -> None:
-    """lifecycle.__all__ is the documented API, sorted, and every name resolves."""
+def public_names(package: ModuleType) -> set[str]:
+    """Names a package offers that are neither private nor submodules."""
+    return {n for n, v in vars(package).items()
+            if not n.startswith("_") and not isinstance(v, ModuleType)}
+
+
+def test_lifecycle_all_is_exactly_its_public_names() -> None:
+    """lifecycle.__all__ is sorted, equals the names it offers, and is the documented API."""
     assert lifecycle.__all__ == sorted(lifecycle.__all__)
+    assert set(lifecycle.__all__) == public_names(lifecycle)
     assert set(lifecycle.__all__) == {
         "AdmissionTimeout", "ComponentAsleep", "ComponentNotPlaced", "ComponentPlacement",
-        "DrainTimeout", "FSDPInferenceUnsupported", "LifecycleController", "LifecycleError",
-        "OccupationResult", "Phase", "PlacementReport", "TransitionFailed",
-        "TransitionRejected", "UpdateResult", "WeightUpdateWhileSleeping",
-        "configure_logging", "mermaid"}
-    assert all(hasattr(lifecycle, name) for name in lifecycle.__all__)
+        "ComponentResidencyError", "DrainTimeout", "FSDPInferenceUnsupported",
+        "LifecycleController", "LifecycleError", "OccupationResult", "Phase", "PlacementReport",
+        "ResidencyError", "StoreError", "SyncLifecycleController", "TransitionFailed",
+        "TransitionRejected", "UpdateResult", "WeightUpdateWhileSleeping", "configure_logging",
+        "mermaid"}
 
 
-def test_strategies_exports_the_contract_names() -> None:
-    """strategies.__all__ contains the issue's contract names and resolves."""
-    contract = {"ResidencyMode", "ResidencyConfig", "LayerwiseTuning", "RESIDENCY_POLICIES",
-                "ComponentResidencyError", "build_strategy", "enable_layerwise_offload",
-                "is_layerwise_offloaded"}
-    assert contract <= set(strategies.__all__)
-    assert all(hasattr(strategies, name) for name in strategies.__all__)
+# What strategies offers, and for whom. Configuration: everyone. Strategies and layerwise
+# helpers: users choosing or preparing a module's placement. Device layers and CopyHandle:
+# who brings another device. TensorStore, Unit, Move, PreparedMove, WriteMove, WriteSource,
+# StoreReport, ComputeGuard: the types of the strategy protocol, for who writes a strategy
+# (and for lifecycle, which may import nothing else).
+STRATEGIES_API = {
+    "DIT_GROUP", "RESIDENCY_POLICIES", "VAE_GROUP", "LayerwiseTuning", "ResidencyConfig",
+    "ResidencyMode", "group_of",
+    "ResidencyStrategy", "ResidentStrategy", "ComponentOffloadStrategy", "SnapshotOffloadStrategy",
+    "LayerwiseOffloadStrategy", "build_strategy", "is_fsdp_managed",
+    "enable_layerwise_offload", "disable_layerwise_offload", "is_layerwise_offloaded",
+    "layerwise_blocks", "detect_block_lists",
+    "DeviceLayer", "CpuDevice", "CudaDevice", "CopyHandle", "make_device_layer", "resolve_device",
+    "TensorStore", "Unit", "Move", "PreparedMove", "WriteMove", "WriteSource", "StoreReport",
+    "ComputeGuard",
+    "ResidencyError", "StoreError", "ComponentResidencyError",
+}
+
+
+def test_strategies_all_is_exactly_its_public_names() -> None:
+    """strategies.__all__ (kept in ruff's order) has no repeats, equals the names it offers,
+    and is the argued API."""
+    assert len(strategies.__all__) == len(set(strategies.__all__))
+    assert set(strategies.__all__) == public_names(strategies)
+    assert set(strategies.__all__) == STRATEGIES_API
     assert strategies.RESIDENCY_POLICIES == ("leading", "strided")
 
 
@@ -39,6 +66,10 @@ def test_error_tree_matches_its_documentation() -> None:
     assert issubclass(lifecycle.ComponentAsleep, lifecycle.LifecycleError)
     assert issubclass(lifecycle.AdmissionTimeout, TimeoutError)
     assert issubclass(strategies.ComponentResidencyError, ValueError)
+    for error in (lifecycle.LifecycleError, strategies.StoreError,
+                  strategies.ComponentResidencyError):
+        assert issubclass(error, strategies.ResidencyError)
+    assert lifecycle.ResidencyError is strategies.ResidencyError
 
 
 def test_strategies_never_imports_lifecycle() -> None:
@@ -48,3 +79,15 @@ def test_strategies_never_imports_lifecycle() -> None:
     for path in Path(strategies.__file__).parent.glob("*.py"):
         assert "lifecycle" not in "".join(
             line for line in path.read_text().splitlines() if line.startswith(("import", "from")))
+
+
+def test_lifecycle_imports_only_what_strategies_exports() -> None:
+    """lifecycle never reaches into strategies' private modules."""
+    from pathlib import Path
+
+    root = Path(lifecycle.__file__).parent
+    for path in root.rglob("*.py"):
+        for line in path.read_text().splitlines():
+            if line.startswith(("import", "from")) and "strategies" in line:
+                assert line.startswith(("from strategies import", "import strategies",
+                                        "from strategies.testing import")), f"{path}: {line}"

@@ -14,6 +14,8 @@ SOAK = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
 
 
 def test_soak_smoke_with_faults_keeps_integrity() -> None:
+    """A 30-cycle soak with a fault every 7 cycles exits 0 with every integrity check passing and the
+    faults counted."""
     proc = subprocess.run([sys.executable, str(SOAK), "--cycles", "30", "--size", "4MB", "--json",
                            "--fault-every", "7", "--device", "cpu"],
                           capture_output=True, text=True, timeout=120, check=False)

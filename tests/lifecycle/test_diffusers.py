@@ -47,6 +47,8 @@ def reference() -> np.ndarray:
 
 
 async def test_attach_sleep_wake_through_the_pipelines_own_call(reference: np.ndarray) -> None:
+    """Through the runner the pipeline's output equals the unmanaged one, asleep both the runner and a
+    direct call are refused, and after wake both match again."""
     pipe = tiny_pipeline()
     ctl = LifecycleController("cpu")
     runner = await PipelineRunner.attach(pipe, ctl)
@@ -66,13 +68,15 @@ async def test_attach_sleep_wake_through_the_pipelines_own_call(reference: np.nd
         await runner(**call_args())
 
     assert (await ctl.wake()).success
-    again = images(await runner.generate(**call_args()))
+    again = images(await runner(**call_args()))
     np.testing.assert_array_equal(again, first)
     # a direct call works again too: the unet is resident
     np.testing.assert_array_equal(images(pipe(**call_args())), first)
 
 
 async def test_component_offload_through_the_runner(reference: np.ndarray) -> None:
+    """Component-offload places the whole unet only during a runner call, and a direct call outside
+    ``use()`` is refused."""
     pipe = tiny_pipeline()
     ctl = LifecycleController("cpu", residency="unet=component-offload")
     runner = await PipelineRunner.attach(pipe, ctl)
@@ -99,6 +103,8 @@ async def test_component_offload_through_the_runner(reference: np.ndarray) -> No
 
 
 async def test_sleep_waits_for_a_running_call(reference: np.ndarray) -> None:
+    """A sleep requested during a runner call completes only after the call, whose output is
+    unchanged."""
     import anyio
 
     pipe = tiny_pipeline()
@@ -133,6 +139,8 @@ async def test_sleep_waits_for_a_running_call(reference: np.ndarray) -> None:
 
 
 async def test_the_pipelines_own_errors_come_through_unwrapped() -> None:
+    """A pipeline's own TypeError comes through the runner unwrapped, with every lease returned and the
+    unet offloaded."""
     pipe = tiny_pipeline()
     ctl = LifecycleController("cpu", residency="unet=component-offload")
     runner = await PipelineRunner.attach(pipe, ctl)
@@ -144,6 +152,8 @@ async def test_the_pipelines_own_errors_come_through_unwrapped() -> None:
 
 
 async def test_runner_refuses_a_pipeline_that_is_not_attached() -> None:
+    """The runner refuses to run when no pipeline or another pipeline is attached, and refuses to wrap
+    an object that is not callable."""
     ctl = LifecycleController("cpu")
     runner = PipelineRunner(tiny_pipeline(), ctl)
     with pytest.raises(RuntimeError, match="no pipeline is attached"):

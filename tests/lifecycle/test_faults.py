@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
 import torch
-from structlog.contextvars import merge_contextvars
-from structlog.testing import capture_logs
+from torch import nn
 
 from lifecycle import LifecycleController, OccupationResult, Phase, TransitionFailed
 from lifecycle.testing import FaultyDevice, InjectedFault
@@ -36,7 +36,8 @@ SCENARIOS: dict[str, tuple[list[Step], Step, Phase]] = {
 }
 
 
-async def start(steps: list[Step], layer: FaultyDevice) -> tuple[LifecycleController, dict]:
+async def start(steps: list[Step], layer: FaultyDevice
+                ) -> tuple[LifecycleController, dict[str, nn.Module]]:
     pipe = small_pipeline()
     ctl = LifecycleController(device_layer=layer)
     await ctl.attach(pipe)
@@ -96,13 +97,15 @@ async def test_fault_at_every_point_rolls_back_exactly_and_retry_succeeds(
         assert fingerprints(pipe) == before_sums
 
 
-async def test_failed_transition_logs_a_rolled_back_event() -> None:
+async def test_failed_transition_logs_a_rolled_back_event(caplog: pytest.LogCaptureFixture) -> None:
     """A rollback is visible as one structured event with the cause."""
     layer = FaultyDevice()
     ctl, _ = await start([], layer)
     layer.arm(copy_at=2)
-    with capture_logs(processors=[merge_contextvars]) as logs, pytest.raises(TransitionFailed):
+    caplog.clear()  # only what the sleep logs
+    with caplog.at_level(logging.DEBUG, logger="lifecycle"), pytest.raises(TransitionFailed):
         await ctl.sleep()
+    logs = [r.msg for r in caplog.records if isinstance(r.msg, dict)]
     events = [e for e in logs if e["event"] == "transition.rolled_back"]
     assert len(events) == 1
     assert events[0]["trigger"] == "sleep"
@@ -110,12 +113,14 @@ async def test_failed_transition_logs_a_rolled_back_event() -> None:
     assert events[0]["error"].startswith("InjectedFault: injected copy failure")
 
 
-async def test_committed_transition_logs_one_summary_event() -> None:
+async def test_committed_transition_logs_one_summary_event(caplog: pytest.LogCaptureFixture) -> None:
     """Each committed transition emits one summary with trigger, phases, bytes, seconds, rank."""
     ctl = LifecycleController("cpu", rank=3)
     await ctl.attach(small_pipeline())
-    with capture_logs(processors=[merge_contextvars]) as logs:
+    caplog.clear()  # only what the sleep logs
+    with caplog.at_level(logging.DEBUG, logger="lifecycle"):
         await ctl.sleep()
+    logs = [r.msg for r in caplog.records if isinstance(r.msg, dict)]
     summaries = [e for e in logs if e["event"] == "transition.committed"]
     assert len(summaries) == 1
     s = summaries[0]

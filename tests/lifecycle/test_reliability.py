@@ -21,7 +21,7 @@ from lifecycle import (
 )
 from lifecycle.testing import FaultyDevice
 from strategies import ComponentResidencyError, StoreError
-from tests.helpers import fingerprints, small_pipeline, tensor_ids
+from tests.helpers import fingerprints, layer, small_pipeline, tensor_ids
 
 pytestmark = pytest.mark.anyio
 
@@ -155,7 +155,7 @@ def bad_pipelines() -> list[tuple[str, Callable[[], Any], type[Exception], str]]
 
     def shared() -> dict[str, nn.Module]:
         pipe = small_pipeline()
-        pipe["transformer_2"] = nn.Sequential(pipe["transformer"][0])
+        pipe["transformer_2"] = nn.Sequential(layer(pipe["transformer"], 0, nn.Linear))
         return pipe
 
     def sparse() -> dict[str, nn.Module]:
@@ -167,7 +167,7 @@ def bad_pipelines() -> list[tuple[str, Callable[[], Any], type[Exception], str]]
         from torch.distributed.fsdp import FSDPModule
 
         pipe = small_pipeline()
-        lin = pipe["transformer"][0]
+        lin = layer(pipe["transformer"], 0, nn.Linear)
         lin.__class__ = type("FSDPLinear", (FSDPModule, type(lin)), {})
         return pipe
 

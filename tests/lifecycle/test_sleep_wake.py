@@ -8,7 +8,7 @@ from torch import nn
 
 from lifecycle import LifecycleController, Phase
 from lifecycle.testing import FaultyDevice
-from tests.helpers import fingerprints, run_pipeline, small_pipeline, tensor_ids
+from tests.helpers import fingerprints, layer, run_pipeline, small_pipeline, tensor_ids, tied_lm
 
 pytestmark = pytest.mark.anyio
 
@@ -56,7 +56,7 @@ async def test_hundred_cycles_keep_weights_outputs_and_identity() -> None:
 async def test_wake_keeps_dtype_shape_requires_grad_and_tied_weights() -> None:
     """Every tensor comes back with its metadata; tied weights are still one tensor."""
     pipe = small_pipeline()
-    pipe["transformer"][0].bias.requires_grad_(False)
+    layer(pipe["transformer"], 0, nn.Linear).bias.requires_grad_(False)
     pipe["transformer"].half()
     meta = {k: (t.dtype, t.shape, t.requires_grad) for k, t in
             pipe["transformer"].state_dict(keep_vars=True).items()}
@@ -67,11 +67,10 @@ async def test_wake_keeps_dtype_shape_requires_grad_and_tied_weights() -> None:
     after = {k: (t.dtype, t.shape, t.requires_grad) for k, t in
              pipe["transformer"].state_dict(keep_vars=True).items()}
     assert after == meta
-    lm = pipe["text_encoder"]
-    assert lm.head.weight is lm.embed.weight  # type: ignore[union-attr]
+    lm = tied_lm(pipe)
+    assert lm.head.weight is lm.embed.weight
     # The buffer that views the embedding's storage still shares it.
-    assert lm.first_row.untyped_storage().data_ptr() == \
-        lm.embed.weight.untyped_storage().data_ptr()  # type: ignore[union-attr]
+    assert lm.first_row.untyped_storage().data_ptr() == lm.embed.weight.untyped_storage().data_ptr()
 
 
 async def test_unchanged_weights_sleep_without_copying_and_mirrors_are_reused() -> None:
@@ -100,7 +99,7 @@ async def test_in_place_change_while_awake_is_copied_on_the_next_sleep() -> None
     await ctl.attach(pipe)
     await ctl.sleep()
     await ctl.wake()
-    weight = pipe["transformer"][0].weight
+    weight = layer(pipe["transformer"], 0, nn.Linear).weight
     with torch.no_grad():
         weight.mul_(2)
     expected = fingerprints(pipe)
@@ -108,7 +107,7 @@ async def test_in_place_change_while_awake_is_copied_on_the_next_sleep() -> None
     assert result.bytes_moved == weight.nbytes
     await ctl.wake()
     assert fingerprints(pipe) == expected
-    bn = pipe["vae"][1]
+    bn = layer(pipe["vae"], 1, nn.BatchNorm2d)
     bn.train()
     with torch.no_grad():
         pipe["vae"](torch.randn(2, 4, 5, 5))
@@ -128,7 +127,7 @@ async def test_writes_through_dot_data_need_mark_dirty() -> None:
     await ctl.attach(pipe)
     await ctl.sleep()
     await ctl.wake()
-    pipe["transformer"][2].weight.data.fill_(3.0)
+    layer(pipe["transformer"], 2, nn.Linear).weight.data.fill_(3.0)
     expected = fingerprints(pipe)
     ctl.mark_dirty(["transformer"])
     await ctl.sleep()
@@ -143,7 +142,7 @@ async def test_replaced_parameter_is_picked_up_at_the_next_sleep() -> None:
     await ctl.attach(pipe)
     await ctl.sleep()
     await ctl.wake()
-    lin = pipe["transformer"][0]
+    lin = layer(pipe["transformer"], 0, nn.Linear)
     lin.weight.data = torch.full_like(lin.weight, 0.25)
     lin.bias = nn.Parameter(torch.full_like(lin.bias, -1.0))
     expected = fingerprints(pipe)
@@ -151,7 +150,7 @@ async def test_replaced_parameter_is_picked_up_at_the_next_sleep() -> None:
     assert ctl.report().device_bytes == 0
     await ctl.wake()
     assert fingerprints(pipe) == expected
-    assert pipe["transformer"][0].bias is lin.bias
+    assert layer(pipe["transformer"], 0, nn.Linear).bias is lin.bias
 
 
 async def test_detach_then_reattach_round_trips_the_weights() -> None:
@@ -176,7 +175,8 @@ async def test_parameter_replaced_while_offloaded_is_a_typed_refusal() -> None:
     pipe = small_pipeline()
     ctl = LifecycleController("cpu", residency="vae=component-offload")
     await ctl.attach(pipe)
-    pipe["vae"][0].weight = nn.Parameter(torch.zeros_like(pipe["vae"][0].weight))
+    conv = layer(pipe["vae"], 0, nn.Conv2d)
+    conv.weight = nn.Parameter(torch.zeros_like(conv.weight))
     before = ctl.report()
     with pytest.raises(TransitionRejected, match="component 'vae' changed structure while "
                                                  "offloaded"):

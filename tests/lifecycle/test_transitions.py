@@ -18,7 +18,7 @@ from lifecycle import (
     Phase,
     TransitionRejected,
 )
-from tests.helpers import fingerprints, run_pipeline, small_pipeline
+from tests.helpers import fingerprints, layer, run_pipeline, small_pipeline, tied_lm
 
 pytestmark = pytest.mark.anyio
 
@@ -150,7 +150,7 @@ async def test_already_sleeping_is_checked_before_fsdp() -> None:
 async def test_fsdp_managed_component_refuses_sleep() -> None:
     """A component FSDP manages (an FSDPModule inside it) makes sleep a typed refusal."""
     pipe = small_pipeline()
-    inner = pipe["transformer"][0]
+    inner = layer(pipe["transformer"], 0, nn.Linear)
     inner.__class__ = type("FSDPLinear", (FSDPModule, type(inner)), {})
     ctl = LifecycleController("cpu")
     await ctl.attach(pipe)
@@ -169,7 +169,7 @@ async def test_forward_while_sleeping_raises_component_asleep_naming_the_compone
     assert info.value.component == "text_encoder"
     assert isinstance(info.value, LifecycleError)
     with pytest.raises(ComponentAsleep) as info:
-        pipe["text_encoder"].blocks[1](torch.zeros(1, 16))  # type: ignore[index]
+        tied_lm(pipe).blocks[1](torch.zeros(1, 16))
     assert info.value.component == "text_encoder"
     with pytest.raises(ComponentAsleep):
         async with ctl.use("vae"):

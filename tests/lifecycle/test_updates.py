@@ -13,7 +13,7 @@ from torch import nn
 
 from lifecycle import LifecycleController, Phase, UpdateResult, WeightUpdateWhileSleeping
 from lifecycle.testing import FaultyDevice
-from tests.helpers import fingerprints, run_pipeline, small_pipeline, tensor_ids
+from tests.helpers import fingerprints, layer, run_pipeline, small_pipeline, tensor_ids
 
 pytestmark = pytest.mark.anyio
 
@@ -115,10 +115,11 @@ async def test_update_accepts_name_tensor_pairs_and_casts_dtypes() -> None:
     """An iterable of pairs works; a float64 tensor is cast to the parameter's float32."""
     ctl, pipe = await attached()
     pairs = [(k, v.double()) for k, v in new_state(pipe["transformer"]).items()]
-    result = await ctl.update_weights_from_tensors(iter(pairs))
+    # The annotation says Sequence; any iterable of pairs is accepted, and this checks it.
+    result = await ctl.update_weights_from_tensors(iter(pairs))  # type: ignore[arg-type]
     assert result.success
-    assert pipe["transformer"][0].weight.dtype == torch.float32
-    assert torch.equal(pipe["transformer"][0].weight, pairs[0][1].float())
+    assert layer(pipe["transformer"], 0, nn.Linear).weight.dtype == torch.float32
+    assert torch.equal(layer(pipe["transformer"], 0, nn.Linear).weight, pairs[0][1].float())
 
 
 async def test_update_from_disk_folder_layout_updates_every_component_with_files(tmp_path: Path
@@ -246,22 +247,22 @@ async def test_io_error_midway_through_disk_update_rolls_back(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
     """A read failing after writing started restores every tensor written before it."""
-    import lifecycle._updates as updates
+    import strategies._write as write
 
     ctl, pipe = await attached()
     write_checkpoint(tmp_path, pipe, ["transformer", "vae"])
     sums = ctl.weights_checksum()
-    monkeypatch.setattr(updates, "_CHUNK", 1)  # one tensor per read, so writes interleave
+    monkeypatch.setattr(write, "READ_CHUNK", 1)  # one tensor per read, so writes interleave
     calls = {"n": 0}
-    real = updates._load_chunk
+    real = write.load_chunk
 
-    def flaky(chunk: Any) -> Any:
+    def flaky(*args: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 5:
             raise OSError("disk vanished")
-        return real(chunk)
+        return real(*args)
 
-    monkeypatch.setattr(updates, "_load_chunk", flaky)
+    monkeypatch.setattr(write, "load_chunk", flaky)
     result = await ctl.update_weights_from_disk(tmp_path)
     assert not result.success
     assert result.message.endswith("OSError: disk vanished")
@@ -311,7 +312,7 @@ async def test_update_waits_for_in_flight_uses_and_new_uses_wait_for_it() -> Non
         release.set()
         async with ctl.use("transformer") as m:
             order.append(f"use2 sees version {ctl.weights_version}")
-            assert torch.equal(m[0].weight, state["0.weight"])
+            assert torch.equal(layer(m, 0, nn.Linear).weight, state["0.weight"])
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:

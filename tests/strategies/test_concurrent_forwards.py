@@ -111,7 +111,12 @@ async def test_plain_threads_forwarding_inside_one_use_never_share_a_fetch() -> 
         threads = [threading.Thread(target=worker) for _ in range(TASKS)]
         for t in threads:
             t.start()
-        await anyio.to_thread.run_sync(lambda: [t.join() for t in threads])
+
+        def join_all() -> None:
+            for t in threads:
+                t.join()
+
+        await anyio.to_thread.run_sync(join_all)
         assert not failures
         # While in use, never more than one buffer per layer: live bytes bounded exactly.
         assert layer.live_device_bytes <= strategy.peak_bound() * TASKS

@@ -86,10 +86,9 @@ class TrackingDevice(FaultyDevice):
     def _freed(self, nbytes: int) -> None:
         self.live -= nbytes
 
-    def _copy_batch(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy_batch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         super()._copy_batch(pairs)
-        if isinstance(pairs, list):
-            pairs.clear()
+        pairs.clear()
 
 
 # --- models ---------------------------------------------------------------------------

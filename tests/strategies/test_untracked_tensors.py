@@ -23,7 +23,7 @@ MODES = ["resident", "component-offload", "snapshot-offload"]
 def weight_normed_conv() -> nn.Conv1d:
     with warnings.catch_warnings():  # older torch warns that weight_norm is deprecated
         warnings.simplefilter("ignore", FutureWarning)
-        return torch.nn.utils.weight_norm(nn.Conv1d(D, D, 3, padding=1))  # type: ignore[no-any-return]
+        return torch.nn.utils.weight_norm(nn.Conv1d(D, D, 3, padding=1))
 
 
 class Cached(nn.Module):
@@ -46,12 +46,19 @@ class Cached(nn.Module):
         return self.conv(h.unsqueeze(-1).expand(-1, -1, 4)).sum(-1)  # type: ignore[no-any-return]
 
 
-def built() -> tuple[dict[str, nn.Module], nn.Module]:
+def built() -> tuple[dict[str, nn.Module], Cached]:
     """The model to attach, and an identical one (same seed) nobody touches."""
     torch.manual_seed(0)
     model = Cached().eval()
     torch.manual_seed(0)
     return {"dit": model}, Cached().eval()
+
+
+def dit(pipe: dict[str, nn.Module]) -> Cached:
+    """The pipeline's one component, typed as what ``built`` put there."""
+    model = pipe["dit"]
+    assert isinstance(model, Cached)
+    return model
 
 
 def x_in() -> torch.Tensor:
@@ -65,7 +72,7 @@ async def test_attribute_tensors_are_released_on_sleep_and_restored_bit_identica
     scan), the report agrees, and wake gives back the very same attribute tensors with the
     same bytes; outputs equal the untouched copy's over several cycles."""
     pipe, reference = built()
-    model = pipe["dit"]
+    model = dit(pipe)
     ids = {"table": id(model.table), "hidden": id(model._hidden), "tables0": id(model.tables[0]),
            "cos": id(model.cache["cos"]), "pair1": id(model.pair[1])}
     values = {"table": model.table.clone(), "cos": model.cache["cos"].clone()}
@@ -101,15 +108,14 @@ async def test_the_recomputed_weight_norm_weight_is_back_after_wake_outside_forw
     await ctl.attach(pipe)
     await ctl.sleep()
     await ctl.wake()
-    conv = pipe["dit"].conv
-    assert torch.equal(conv.weight, reference.conv.weight)  # type: ignore[union-attr]
+    assert torch.equal(dit(pipe).conv.weight, reference.conv.weight)
 
 
 async def test_an_attribute_recreated_while_offloaded_refuses_sleep_naming_it() -> None:
     """A cache a forward re-created on the device while the component is offloaded cannot be
     taken back safely: sleep is refused naming the attribute, and nothing moves."""
     pipe, _ = built()
-    model = pipe["dit"]
+    model = dit(pipe)
     ctl = LifecycleController("cpu", residency="dit=component-offload")
     await ctl.attach(pipe)
     async with ctl.use("dit"):
@@ -122,7 +128,7 @@ async def test_an_attribute_recreated_while_offloaded_refuses_sleep_naming_it() 
 async def test_a_resident_component_whose_attribute_was_recreated_is_taken_inventory_of() -> None:
     """Resident: the re-created attribute is found at the next sleep and released too."""
     pipe, _ = built()
-    model = pipe["dit"]
+    model = dit(pipe)
     ctl = LifecycleController("cpu")
     await ctl.attach(pipe)
     model.cache["cos"] = model.cache["cos"] + 1
@@ -153,5 +159,4 @@ async def test_an_update_recomputes_the_weight_norm_weight_from_the_new_values()
     other = Cached()
     result = await ctl.update_weights_from_tensors(other.state_dict(), target_module="dit")
     assert result.success, result.message
-    conv = pipe["dit"].conv
-    assert torch.equal(conv.weight, other.conv.weight)  # type: ignore[union-attr]
+    assert torch.equal(dit(pipe).conv.weight, other.conv.weight)

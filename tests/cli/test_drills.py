@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lifecycle.drills import (
+from lifecycle.cli.drills import (
     SCHEMA,
     DrillReport,
     ScenarioError,
@@ -50,6 +50,8 @@ def _check_faults(report: DrillReport) -> None:
 
 @pytest.mark.parametrize("name", ["basic", "rl_loop", "faults"])
 async def test_example_scenario_passes(name: str) -> None:
+    """Each shipped scenario passes with every expectation met, and rl_loop and faults really update and
+    really fail where they say."""
     scenario = load_scenario(DRILLS / f"{name}.toml")
     report = await run_drill(scenario, size="8MB")
     assert report.passed, report.verdict
@@ -69,6 +71,7 @@ def test_example_scenarios_say_what_they_do() -> None:
 
 
 async def test_default_scenario_passes() -> None:
+    """The default scenario passes, and every one of its sleeps ends with nothing on the device."""
     scenario = default_scenario(cycles=2)
     report = await run_drill(scenario, size=SIZE)
     assert report.passed, report.verdict
@@ -122,6 +125,8 @@ async def test_default_scenario_passes() -> None:
 ])
 def test_invalid_scenarios_are_refused_with_the_step_and_the_choices(
         data: dict[str, Any], needles: list[str]) -> None:
+    """An invalid scenario is refused with a ScenarioError naming the step path and the valid
+    choices."""
     with pytest.raises(ScenarioError) as info:
         parse_scenario(data)
     message = str(info.value)
@@ -130,6 +135,7 @@ def test_invalid_scenarios_are_refused_with_the_step_and_the_choices(
 
 
 def test_every_step_kind_is_in_the_unknown_step_message() -> None:
+    """The unknown-step message lists every step kind the schema knows."""
     with pytest.raises(ScenarioError) as info:
         parse_scenario(_scenario({"do": "nap"}))
     for kind in SCHEMA:
@@ -139,12 +145,12 @@ def test_every_step_kind_is_in_the_unknown_step_message() -> None:
 async def test_a_bad_step_anywhere_is_refused_before_anything_runs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The error is in the last step: nothing (not even the pipeline) is built."""
-    import lifecycle.drills as drills
+    from lifecycle.demo import DemoPipeline  # the class the drill runner builds
 
     def no_build(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the pipeline was built for an invalid scenario")
 
-    monkeypatch.setattr(drills.DemoPipeline, "build", no_build)
+    monkeypatch.setattr(DemoPipeline, "build", no_build)
     path = tmp_path / "late.toml"
     path.write_text('[[steps]]\ndo = "attach"\n\n[[steps]]\ndo = "sleep"\n\n'
                     '[[steps]]\ndo = "repeat"\ntimes = 2\n\n  [[steps.steps]]\n  do = "wake"\n\n'
@@ -154,6 +160,7 @@ async def test_a_bad_step_anywhere_is_refused_before_anything_runs(
 
 
 def test_bad_toml_and_missing_files_are_scenario_errors(tmp_path: Path) -> None:
+    """Invalid TOML and a missing scenario file are both ScenarioErrors."""
     bad = tmp_path / "bad.toml"
     bad.write_text("[[steps]\ndo = attach\n")
     with pytest.raises(ScenarioError, match="invalid TOML"):
@@ -163,6 +170,7 @@ def test_bad_toml_and_missing_files_are_scenario_errors(tmp_path: Path) -> None:
 
 
 def test_string_steps_and_repeats_are_flattened() -> None:
+    """Steps given as bare strings and nested repeats parse into steps with their kinds and paths."""
     scenario = parse_scenario({"drill": {"name": "short", "size": "4MB"},
                                "steps": ["attach", {"do": "repeat", "times": 3,
                                                     "steps": ["sleep", "wake"]}]})
@@ -175,6 +183,7 @@ def test_string_steps_and_repeats_are_flattened() -> None:
 # -- failures in the report ----------------------------------------------------------
 
 async def test_a_failing_expectation_fails_the_drill_naming_the_step() -> None:
+    """A failed expectation fails the drill naming the step and the mismatch, and the drill goes on."""
     scenario = parse_scenario(_scenario(
         {"do": "attach"}, {"do": "generate", "label": "first"},
         {"do": "expect", "phase": "sleeping"}, {"do": "sleep"}))
@@ -190,6 +199,7 @@ async def test_a_failing_expectation_fails_the_drill_naming_the_step() -> None:
 
 
 async def test_a_failing_comparison_names_the_label() -> None:
+    """A failed ``outputs_equal`` or ``checksum_equal`` names the label it compared with."""
     scenario = parse_scenario(_scenario(
         {"do": "attach"}, {"do": "generate", "label": "first"},
         {"do": "generate", "seed": 1}, {"do": "expect", "outputs_equal": "first"},
@@ -214,6 +224,7 @@ async def test_an_unexpected_failed_step_fails_the_drill() -> None:
 
 
 async def test_an_expected_failed_step_does_not_fail_the_drill() -> None:
+    """A rolled-back sleep followed by ``expect success=false`` leaves the drill passing."""
     scenario = parse_scenario(_scenario(
         {"do": "attach"}, {"do": "fail_next", "what": "copy"}, {"do": "sleep"},
         {"do": "expect", "success": False, "phase": "awake", "message": "rolled back"}))
@@ -222,6 +233,7 @@ async def test_an_expected_failed_step_does_not_fail_the_drill() -> None:
 
 
 async def test_expecting_a_failure_that_did_not_happen_fails() -> None:
+    """Expecting a failure after a step that succeeded fails the drill naming the step."""
     scenario = parse_scenario(_scenario(
         {"do": "attach"}, {"do": "sleep"}, {"do": "expect", "success": False}))
     report = await run_drill(scenario, size=SIZE)
@@ -230,6 +242,7 @@ async def test_expecting_a_failure_that_did_not_happen_fails() -> None:
 
 
 async def test_report_as_dict_is_json(tmp_path: Path) -> None:
+    """``as_dict()`` round-trips through JSON with every step field, steps in start order."""
     report = await run_drill(default_scenario(cycles=1), size=SIZE)
     doc = json.loads(json.dumps(report.as_dict()))
     assert doc["scenario"] == "default" and doc["passed"] is True
@@ -244,6 +257,8 @@ async def test_report_as_dict_is_json(tmp_path: Path) -> None:
 
 
 async def test_samples_follow_the_phases() -> None:
+    """Samples are in time order, cover the awake and sleeping phases, and reach zero device bytes
+    asleep."""
     report = await run_drill(default_scenario(cycles=1), size=SIZE)
     times = [s[0] for s in report.samples]
     assert times == sorted(times)
@@ -259,7 +274,9 @@ async def test_samples_follow_the_phases() -> None:
 # -- the timeline's phase bands (matplotlib-free part) ---------------------------------
 
 def test_phase_bands_come_from_the_samples() -> None:
-    from lifecycle._timeline import phase_bands
+    """Phase bands run from each phase change to the next (or to ``end``), in time order whatever the
+    samples' order."""
+    from lifecycle.cli.timeline import phase_bands
 
     samples = [(0.0, 0, 0, "uninitialized"), (0.5, 10, 0, "awake"), (0.6, 10, 0, "awake"),
                (1.0, 0, 10, "sleeping"), (1.2, 10, 10, "awake")]
@@ -272,7 +289,7 @@ def test_phase_bands_come_from_the_samples() -> None:
 def test_timeline_of_a_failing_report(tmp_path: Path) -> None:
     """Failures, fault labels, many steps and a label at the right edge all draw."""
     pytest.importorskip("matplotlib")
-    from lifecycle._timeline import draw_timeline
+    from lifecycle.cli.timeline import draw_timeline
 
     report = DrillReport("synthetic", "cpu", 8 * 2**20)
     t = 0.0
@@ -293,6 +310,7 @@ def test_timeline_of_a_failing_report(tmp_path: Path) -> None:
 # -- regressions -----------------------------------------------------------------------
 
 async def test_update_of_an_unknown_component_is_a_failed_step_not_a_crash() -> None:
+    """An update naming an unknown component is a failed step that a following expect can accept."""
     scenario = parse_scenario(_scenario(
         {"do": "attach"}, {"do": "update", "components": ["unet"]},
         {"do": "expect", "success": False, "message": "unet"}))
@@ -305,7 +323,7 @@ async def test_a_crashing_step_raises_its_own_error_and_cleans_up(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An unexpected error in a step comes out as itself (not an ExceptionGroup) and the
     drill's temporary directory is removed."""
-    import lifecycle.drills as drills
+    import lifecycle.cli.drills as drills
 
     execute = drills._Runner.execute
 
@@ -323,11 +341,14 @@ async def test_a_crashing_step_raises_its_own_error_and_cleans_up(
 
 
 async def test_a_residency_naming_no_component_is_refused_before_anything_runs() -> None:
+    """A residency naming a component the pipeline lacks raises ValueError before the drill runs."""
     with pytest.raises(ValueError, match="unet"):
         await run_drill(default_scenario(), size=SIZE, residency="unet=resident")
 
 
 async def test_errors_inside_a_request_are_not_wrapped() -> None:
+    """ComponentAsleep raised inside a ``ctl.request`` (a use entered while asleep) comes out as itself,
+    not in an ExceptionGroup."""
     from lifecycle import ComponentAsleep, LifecycleController
     from lifecycle.demo import DemoPipeline
 

@@ -1,6 +1,6 @@
 """Residency strategies on a DiT-like stack: forward latency, peak device bytes, bytes moved.
 
-    python scripts/bench_residency.py [--layers 24] [--width 1024] [--tokens 256]
+    residency bench residency [--layers 24] [--width 1024] [--tokens 256]
         [--device cpu|cuda] [--repeats 5] [--json]
 
 Sizes default to 24x1024x256 on CUDA, 8x256x64 on the CPU (there with one intra-op thread, as
@@ -19,21 +19,21 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import logging
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
 import anyio
-import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lifecycle import LifecycleController
-from lifecycle.bench import set_malloc, sync, timed
+from lifecycle import LifecycleController, configure_logging
 from strategies import ResidencyConfig
+
+from .bench import set_malloc, sync, timed
+
+__all__ = ["add_arguments", "run"]
 
 MiB = 2**20
 MODES: dict[str, tuple[str, dict[str, str]]] = {  # name -> (mode, layerwise tuning)
@@ -171,20 +171,24 @@ def layer_copy_ms(base: DiT, device: torch.device, repeats: int) -> float:
         timed(lambda: dst.copy_(src, non_blocking=True), device) for _ in range(repeats + 1))
 
 
-async def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The residency benchmark's own options."""
     for flag in ("--layers", "--width", "--tokens"):
-        p.add_argument(flag, type=int)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    device = torch.device(args.device)
+        ap.add_argument(flag, type=int, help="default: 24 / 1024 / 256 on CUDA, 8 / 256 / 64 on CPU")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``residency bench residency``: see the module docstring."""
+    return anyio.run(_run, args)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     big = device.type == "cuda"  # the CPU run is a small stand-in
     layers, width, tokens = args.layers or (24 if big else 8), args.width or (1024 if big else 256), \
         args.tokens or (256 if big else 64)
     dtype = torch.bfloat16 if big else torch.float32
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    configure_logging(json=True, level="warning")
     if not big:  # see the module docstring
         torch.set_num_threads(1)
         set_malloc("keep")
@@ -226,6 +230,3 @@ async def main() -> int:
               "outputs bit-identical to resident: " + ("yes" if not mismatched else f"NO: {mismatched}"))
     return 1 if mismatched else 0
 
-
-if __name__ == "__main__":
-    sys.exit(anyio.run(main))

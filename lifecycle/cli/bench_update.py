@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -46,30 +45,18 @@ from typing import Any
 import anyio
 import safetensors.torch
 import torch
-from torch import nn
 
-from ._controller import LifecycleController
-from .bench import DTYPES, bench_flat, bench_parser, bench_setup, sync, timed
-from .demo import DemoPipeline, parse_size
+from lifecycle import LifecycleController
+from lifecycle._checkpoint import gbps, unique_tensors, write_checkpoint
+from lifecycle.demo import DemoPipeline, parse_size
 
-__all__ = ["main"]
+from .bench import DTYPES, bench_flat, bench_setup, sync, timed
+
+__all__ = ["add_arguments", "run"]
 
 MODES = ("resident", "component-offload", "layerwise-offload")
 STEP = 1e-3  # write k adds k * STEP to the base weights: every write is different
 State = dict[str, dict[str, torch.Tensor]]  # component -> name -> tensor
-
-
-def unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with each storage once (tied weights under their first name),
-    as a checkpoint holds them."""
-    seen: set[tuple[int, int]] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, t in module.state_dict().items():
-        key = (t.data_ptr(), t.nbytes)
-        if key not in seen:
-            seen.add(key)
-            out[name] = t
-    return out
 
 
 def state_bytes(state: State) -> int:
@@ -82,16 +69,6 @@ def make_state(base: State, k: int) -> State:
         return {c: {n: (t + k * STEP).to(t.dtype) if t.is_floating_point() else t.clone()
                     for n, t in sd.items()}
                 for c, sd in base.items()}
-
-
-def write_checkpoint(state: State, root: Path) -> None:
-    """The reference layout: ``<root>/<component>/model.safetensors``; synced to disk so that
-    no writeback runs during the timed load (the page cache stays warm)."""
-    for comp, sd in state.items():
-        (root / comp).mkdir(parents=True)
-        safetensors.torch.save_file({n: t.detach().to("cpu").contiguous() for n, t in sd.items()},
-                                    str(root / comp / "model.safetensors"))
-    os.sync()
 
 
 def load_reference(pipe: DemoPipeline, state: State) -> None:
@@ -163,7 +140,8 @@ async def bench_updates(args: argparse.Namespace, device: torch.device
     pipe = DemoPipeline.build(size, dtype=dtype)
     ref = DemoPipeline.build(size, dtype=dtype)
     with torch.no_grad():
-        base: State = {c: {n: t.detach().to(device, copy=True) for n, t in unique_state(m).items()}
+        base: State = {c: {n: t.detach().to(device, copy=True)
+                           for n, t in unique_tensors(m.state_dict().items()).items()}
                        for c, m in ref.modules.items()}
     n = state_bytes(base)
 
@@ -236,7 +214,7 @@ async def bench_updates(args: argparse.Namespace, device: torch.device
             check(f"round {r} from tensors")
             k += 1
             ckpt = tmp / f"round{r}"
-            write_checkpoint(make_state(base, k), ckpt)
+            write_checkpoint(make_state(base, k), ckpt, sync=True)
             await timed_async("ours_from_disk", functools.partial(ours_disk, ckpt), record)
             t = timed(functools.partial(load_reference_disk, ref, ckpt), device)
             if record:
@@ -256,15 +234,20 @@ async def bench_updates(args: argparse.Namespace, device: torch.device
     return times, n, info
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = bench_parser("residency bench update", __doc__.split("\n\n")[0], repeats=3)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The update benchmark's own options."""
     ap.add_argument("--mode", choices=MODES, default="resident",
                     help="residency of the transformer (other components: resident)")
     ap.add_argument("--cold", action="store_true",
                     help="update before any sleep (no host mirrors yet: every tensor backed up)")
-    args = ap.parse_args(argv)
+    ap.set_defaults(repeats=3)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``residency bench update``: see the module docstring."""
     if args.repeats < 1:
-        ap.error("--repeats must be at least 1")
+        print("residency bench update: --repeats must be at least 1", file=sys.stderr)
+        return 2
     device = bench_setup(args)
 
     t0 = time.perf_counter()
@@ -272,12 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     total_s = time.perf_counter() - t0
     seconds = {k: statistics.median(v) for k, v in samples.items()}
     seconds |= bench_host_device(n, device, args.repeats)
-    gbps = {k: n / s / 1e9 for k, s in seconds.items()}
-    warm = gbps["flat_copy_warm"]
+    rates = {k: gbps(n, s) for k, s in seconds.items()}
+    warm = rates["flat_copy_warm"]
     ratios = {"ours/reference from tensors (throughput)":
-              gbps["ours_from_tensors"] / gbps["reference_from_tensors"],
+              rates["ours_from_tensors"] / rates["reference_from_tensors"],
               "ours/reference from disk (throughput)":
-              gbps["ours_from_disk"] / gbps["reference_from_disk"]}
+              rates["ours_from_disk"] / rates["reference_from_disk"]}
     expected_updates = (args.repeats + 1) * 4  # 3 components from tensors + 1 from disk
     correct = (not info["mismatches"] and info["checksums_equal"] is True
                and info["version"] == expected_updates == info["updates"]
@@ -292,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                        "repeats": args.repeats,
                        "malloc": args.malloc, "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "total_seconds": total_s},
-            "results": {k: {"seconds": s, "bytes": n, "gbps": gbps[k], "x_flat_warm": gbps[k] / warm,
+            "results": {k: {"seconds": s, "bytes": n, "gbps": rates[k], "x_flat_warm": rates[k] / warm,
                             "samples": samples.get(k)}
                         for k, s in seconds.items()},
             "ratios": ratios,
@@ -309,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.get_num_threads()} torch threads, malloc {args.malloc}")
         print(f"{'operation':<26}{'seconds':>10}{'GB/s':>9}{'x warm flat':>13}")
         for k, s in seconds.items():
-            print(f"{k:<26}{s:>10.4f}{gbps[k]:>9.2f}{gbps[k] / warm:>13.2f}")
+            print(f"{k:<26}{s:>10.4f}{rates[k]:>9.2f}{rates[k] / warm:>13.2f}")
         for k, v in ratios.items():
             print(f"{k:<44}{v:>8.2f}")
         print(f"note: {note}")
@@ -321,6 +304,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {m}")
     return 0 if correct else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

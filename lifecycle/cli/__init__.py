@@ -12,23 +12,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
 
-from ._events import configure_logging
-from ._phase import mermaid
-from .demo import parse_size
+from lifecycle import configure_logging, mermaid
+from lifecycle.demo import parse_size
+
 from .drills import DrillReport, ScenarioError, StepOutcome, default_scenario, load_scenario, run_drill
 
 __all__ = ["main"]
@@ -41,13 +31,25 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _table(report: DrillReport) -> Table:
-    table = Table(title=f"drill {report.scenario!r} on {report.device}, pipeline "
-                        f"{_bytes(report.pipeline_bytes)}", title_justify="left")
+def _rich() -> Any:
+    """The ``rich`` package, or a clear exit naming the extra that brings it."""
+    try:
+        import rich.console
+        import rich.progress
+        import rich.table
+    except ImportError:  # pragma: no cover - the launchers install it
+        raise SystemExit("residency: this command needs the 'cli' extra: "
+                         "pip install 'residency[cli]' (rich)") from None
+    return rich
+
+
+def _table(report: DrillReport) -> Any:
+    table = _rich().table.Table(title=f"drill {report.scenario!r} on {report.device}, "
+                                f"pipeline {_bytes(report.pipeline_bytes)}", title_justify="left")
     for col, just in (("step", "left"), ("", "left"), ("outcome", "left"), ("seconds", "right"),
                       ("moved", "right"), ("GB/s", "right"), ("device after", "right"),
                       ("phase after", "left")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+        table.add_column(col, justify=just)
     for o in report.outcomes:
         index = ".".join(re.findall(r"\[(\d+)\]", o.index))
         table.add_row(index, o.step, ("ok: " if o.ok else "FAILED: ") + o.message[:70],
@@ -65,10 +67,11 @@ def _drill(args: argparse.Namespace) -> int:
         print(f"residency drill: {exc}", file=sys.stderr)
         return 2
     configure_logging(json=args.log_json, level="info" if args.log_json else "warning")
-    err = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
-                  console=err, transient=True, disable=args.json) as progress:
+    rp = _rich().progress
+    err = _rich().console.Console(stderr=True)
+    with rp.Progress(rp.SpinnerColumn(), rp.TextColumn("{task.description}"), rp.BarColumn(),
+                     rp.DownloadColumn(), rp.TransferSpeedColumn(), rp.TimeElapsedColumn(),
+                     console=err, transient=True, disable=args.json) as progress:
         steps = progress.add_task("starting", total=None)
         move = progress.add_task("move", total=None, visible=False)
         step_started = time.monotonic()
@@ -93,13 +96,13 @@ def _drill(args: argparse.Namespace) -> int:
             print(f"residency drill: {exc}", file=sys.stderr)
             return 2
     if args.timeline:
-        from ._timeline import draw_timeline
+        from .timeline import draw_timeline
 
         draw_timeline(report, Path(args.timeline))
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
-        out = Console(width=None if sys.stdout.isatty() else 140)
+        out = _rich().console.Console(width=None if sys.stdout.isatty() else 140)
         out.print(_table(report))
         out.print(("[green]" if report.passed else "[red]") + report.verdict)
         if args.timeline:
@@ -110,18 +113,19 @@ def _drill(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from . import bench, bench_update
 
-    rest = list(args.rest)
-    which = rest.pop(0) if rest and rest[0] in ("all", "sleep-wake", "update") else "all"
-    if which == "sleep-wake":
-        return bench.main(rest)
-    if which == "update":
-        return bench_update.main(rest)
-    # both, each with the options it knows (--mode belongs to the update benchmark only)
-    common = [a for i, a in enumerate(rest)
-              if a != "--mode" and (i == 0 or rest[i - 1] != "--mode")]
-    first = bench.main(common)
+    if args.which == "sleep-wake":
+        return bench.run(args)
+    if args.which == "update":
+        return bench_update.run(args)
+    if args.which == "residency":
+        from . import bench_residency
+
+        return bench_residency.run(args)
+    # all: sleep/wake, then updates, with the same options
+    first = bench.run(argparse.Namespace(**{**vars(args), "repeats": args.repeats or 5}))
     print()
-    return first or bench_update.main(rest)
+    return first or bench_update.run(argparse.Namespace(**{**vars(args),
+                                                           "repeats": args.repeats or 3}))
 
 
 def _diagram(args: argparse.Namespace) -> int:
@@ -142,22 +146,39 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--timeline", metavar="FILE.png", help="draw device/host bytes over time")
     d.add_argument("--log-json", action="store_true", help="structured events as JSON on stderr")
     d.set_defaults(func=_drill)
-    b = sub.add_parser("bench", help="sleep/wake and update benchmarks against the reference "
-                                     "approach and the bandwidth limit")
-    b.add_argument("rest", nargs=argparse.REMAINDER, metavar="[all|sleep-wake|update] ...",
-                   help="which benchmark (default all) and its options "
-                        "(residency bench sleep-wake --help)")
+    b = sub.add_parser("bench", help="benchmarks against the reference approach and the "
+                                     "bandwidth limit (default: sleep-wake, then update)")
     b.set_defaults(func=_bench)
+    _bench_parsers(b)
     g = sub.add_parser("diagram", help="the lifecycle state machine as Mermaid")
     g.set_defaults(func=_diagram)
     return parser
 
 
+def _bench_parsers(b: argparse.ArgumentParser) -> None:
+    """``residency bench <which>``: one subparser per benchmark over shared parent parsers."""
+    from . import bench, bench_residency, bench_update
+
+    base, pipeline = bench.base_options(), bench.pipeline_options()
+    which = b.add_subparsers(dest="which", metavar="{sleep-wake,update,residency,all}")
+    which.add_parser("sleep-wake", parents=[base, pipeline], help="sleep/wake throughput",
+                     description=bench.__doc__)
+    update = which.add_parser("update", parents=[base, pipeline], help="weight updates",
+                              description=bench_update.__doc__)
+    bench_update.add_arguments(update)
+    residency = which.add_parser("residency", parents=[base], help="latency of each mode",
+                                 description=bench_residency.__doc__)
+    bench_residency.add_arguments(residency)
+    both = which.add_parser("all", parents=[base, pipeline], help="sleep-wake, then update")
+    bench_update.add_arguments(both)
+    both.set_defaults(repeats=None)
+    # `residency bench` alone runs them all with the defaults.
+    b.set_defaults(which="all", size="1GiB", dtype="float32", malloc="keep", device=None,
+                   repeats=None, json=False, mode="resident", cold=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"] and argv[1:2] not in (["-h"], ["--help"]):
-        # The benchmarks parse their own options (argparse cannot pass leading options on).
-        return _bench(argparse.Namespace(rest=argv[1:]))
     args = _parser().parse_args(argv)
     if args.command == "drill" and args.cycles < 0:
         print("residency drill: --cycles must be non-negative", file=sys.stderr)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import tempfile
 import time
 import tomllib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +23,11 @@ from typing import Any
 import anyio
 import torch
 
+from lifecycle import LifecycleController, LifecycleError, Phase
+from lifecycle._checkpoint import gbps, write_checkpoint
+from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle.testing import FaultInjection, faulty_device_layer
 from strategies import ResidencyConfig
-
-from ._controller import LifecycleController
-from ._errors import LifecycleError
-from ._phase import Phase
-from .demo import DemoPipeline, parse_size
-from .testing import FaultInjection, faulty_device_layer
 
 __all__ = [
     "SCHEMA",
@@ -190,7 +188,7 @@ class StepOutcome:
 
     @property
     def gbps(self) -> float:
-        return self.bytes_moved / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return gbps(self.bytes_moved, self.seconds)
 
 
 @dataclass
@@ -310,42 +308,49 @@ class _Runner:
         return None
 
     async def execute(self, step: Step) -> tuple[bool, str, int]:
-        a = step.args
-        ctl = self.ctl
         try:
-            if step.kind == "attach":
-                await self.transition(lambda: ctl.attach(self.pipe))
-                return True, f"attached {len(ctl.components)} components", 0
-            if step.kind == "detach":
-                await self.transition(ctl.detach)
-                return True, "detached", 0
-            if step.kind in ("sleep", "wake"):
-                r = await self.transition(ctl.sleep if step.kind == "sleep" else ctl.wake)
-                return r.success, r.message, r.bytes_moved
-            if step.kind == "generate":
-                out = await self.pipe.generate(ctl=ctl, steps=a.get("steps", 3),
-                                               seed=a.get("seed", 0))
-                self.last_output = out
-                if "label" in a:
-                    self.outputs[a["label"]] = out
-                return True, f"image {tuple(out.shape)}", 0
-            if step.kind == "update":
-                return await self.update(a)
-            if step.kind == "fail_next":
-                self.layer.arm(**{f"{a['what']}_at": a.get("at", 1)})
-                return True, f"next {a['what']} #{a.get('at', 1)} will fail", 0
-            if step.kind == "cancel_after":
-                self.cancel_ms = float(a["ms"])
-                return True, f"next transition cancelled after {a['ms']:g} ms", 0
-            if step.kind == "wait":
-                await anyio.sleep(a["ms"] / 1000)
-                return True, f"waited {a['ms']:g} ms", 0
-            if step.kind == "checkpoint":
-                self.checksums[a["name"]] = ctl.weights_checksum()
-                return True, f"checksums recorded as {a['name']!r}", 0
-            return self.expect(a)
+            return await _RUNNERS[step.kind](self, step.args)
         except _Cancelled as exc:
             return False, str(exc), 0
+
+    async def attach(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        await self.transition(lambda: self.ctl.attach(self.pipe))
+        return True, f"attached {len(self.ctl.components)} components", 0
+
+    async def detach(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        await self.transition(self.ctl.detach)
+        return True, "detached", 0
+
+    async def sleep(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        r = await self.transition(self.ctl.sleep)
+        return r.success, r.message, r.bytes_moved
+
+    async def wake(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        r = await self.transition(self.ctl.wake)
+        return r.success, r.message, r.bytes_moved
+
+    async def generate(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        out = await self.pipe.generate(ctl=self.ctl, steps=a.get("steps", 3), seed=a.get("seed", 0))
+        self.last_output = out
+        if "label" in a:
+            self.outputs[a["label"]] = out
+        return True, f"image {tuple(out.shape)}", 0
+
+    async def fail_next(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        self.layer.arm(**{f"{a['what']}_at": a.get("at", 1)})
+        return True, f"next {a['what']} #{a.get('at', 1)} will fail", 0
+
+    async def cancel_after(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        self.cancel_ms = float(a["ms"])
+        return True, f"next transition cancelled after {a['ms']:g} ms", 0
+
+    async def wait(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        await anyio.sleep(a["ms"] / 1000)
+        return True, f"waited {a['ms']:g} ms", 0
+
+    async def checkpoint(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        self.checksums[a["name"]] = self.ctl.weights_checksum()
+        return True, f"checksums recorded as {a['name']!r}", 0
 
     async def update(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
         names = a.get("components") or ["transformer"]
@@ -365,21 +370,12 @@ class _Runner:
         return r.success, r.message, r.bytes_written
 
     def write_checkpoint(self, names: Sequence[str], delta: float) -> str:
-        from safetensors.torch import save_file
-
         root = Path(self.tmp.name) / f"ckpt-{len(list(Path(self.tmp.name).iterdir()))}"
-        for name in names:
-            (root / name).mkdir(parents=True)
-            state: dict[str, torch.Tensor] = {}
-            seen: set[int] = set()  # one name per storage: tied weights are saved once
-            for k, v in self.ctl.components[name].state_dict().items():
-                if v.is_floating_point() and v.data_ptr() not in seen:
-                    seen.add(v.data_ptr())
-                    state[k] = (v.detach().to("cpu") + delta).contiguous()
-            save_file(state, str(root / name / "model.safetensors"))
-        return str(root)
+        states = {name: {k: v + delta for k, v in self.ctl.components[name].state_dict().items()
+                         if v.is_floating_point()} for name in names}
+        return str(write_checkpoint(states, root))
 
-    def expect(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+    async def expect(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
         problems: list[str] = []
         ok, message = self.last
         if "phase" in a and self.ctl.phase.value != a["phase"]:
@@ -409,6 +405,17 @@ class _Runner:
 
 class _Cancelled(Exception):
     pass
+
+
+_Run = Callable[[_Runner, Mapping[str, Any]], Awaitable[tuple[bool, str, int]]]
+# Step kind -> its runner: one entry per kind of SCHEMA but "repeat" (flattened at load).
+_RUNNERS: dict[str, _Run] = {
+    "attach": _Runner.attach, "detach": _Runner.detach, "sleep": _Runner.sleep,
+    "wake": _Runner.wake, "generate": _Runner.generate, "update": _Runner.update,
+    "fail_next": _Runner.fail_next, "cancel_after": _Runner.cancel_after, "wait": _Runner.wait,
+    "checkpoint": _Runner.checkpoint, "expect": _Runner.expect,
+}
+assert set(_RUNNERS) == set(SCHEMA) - {"repeat"}
 
 
 async def run_drill(scenario: Scenario, *, device: str | None = None, size: str | None = None,

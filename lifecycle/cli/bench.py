@@ -31,11 +31,11 @@ from typing import Any
 import anyio
 import torch
 
-from ._controller import LifecycleController
-from ._events import configure_logging
-from .demo import DemoPipeline, parse_size
+from lifecycle import LifecycleController, configure_logging
+from lifecycle._checkpoint import gbps, unique_tensors
+from lifecycle.demo import DemoPipeline, parse_size
 
-__all__ = ["main"]
+__all__ = ["base_options", "pipeline_options", "run"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # glibc mallopt(M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) per --malloc policy (see set_malloc)
@@ -75,15 +75,13 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
 
 def repoint_copies(pipe: DemoPipeline) -> None:
     """What ``.to(other_device)`` does, on one device: fresh memory, copy, re-point."""
-    seen: set[int] = set()
     with torch.no_grad():
-        for module in pipe.modules.values():
-            for t in [*module.parameters(), *module.buffers()]:
-                if id(t) not in seen:  # tied weights once
-                    seen.add(id(t))
-                    fresh = torch.empty_like(t)
-                    fresh.copy_(t)
-                    t.data = fresh
+        for t in unique_tensors((f"{c}.{i}", t) for c, module in pipe.modules.items()
+                                for i, t in enumerate([*module.parameters(),
+                                                       *module.buffers()])).values():
+            fresh = torch.empty_like(t)
+            fresh.copy_(t)
+            t.data = fresh
 
 
 def bench_reference(pipe: DemoPipeline, device: torch.device, repeats: int) -> dict[str, float]:
@@ -170,17 +168,23 @@ async def bench_library(pipe: DemoPipeline, device: torch.device, repeats: int,
     return {k: statistics.median(v) for k, v in times.items()}, moved, ok
 
 
-def bench_parser(prog: str, description: str, repeats: int) -> argparse.ArgumentParser:
-    """The options every benchmark takes: size, dtype, device, repeats, malloc, json."""
-    ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("--size", default="1GiB", help="pipeline weight bytes, e.g. 256MB, 1GiB")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+def base_options() -> argparse.ArgumentParser:
+    """The options every benchmark takes (a parent parser): device, repeats, json."""
+    ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
                     help="default: cuda when available")
-    ap.add_argument("--repeats", type=int, default=repeats)
-    ap.add_argument("--malloc", choices=["keep", "release", "default"], default="keep",
-                    help="glibc malloc policy (CPU host memory); see lifecycle.bench.set_malloc")
+    ap.add_argument("--repeats", type=int, default=5, help="median of this many runs")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
+    return ap
+
+
+def pipeline_options() -> argparse.ArgumentParser:
+    """The options of the benchmarks on the demo pipeline (a parent parser)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--size", default="1GiB", help="pipeline weight bytes, e.g. 256MB, 1GiB")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--malloc", choices=["keep", "release", "default"], default="keep",
+                    help="glibc malloc policy (CPU host memory); see lifecycle.cli.bench.set_malloc")
     return ap
 
 
@@ -194,9 +198,8 @@ def bench_setup(args: argparse.Namespace) -> torch.device:
     return device
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = bench_parser("residency bench sleep-wake", __doc__.split("\n\n")[0], repeats=5)
-    args = ap.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """``residency bench sleep-wake``: see the module docstring."""
     device = bench_setup(args)
 
     t0 = time.perf_counter()
@@ -215,17 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     ours, moved, ok_ours = anyio.run(bench_library, pipe, device, args.repeats, expected)
     seconds |= ours
     moved_bytes = {k: n for k in seconds} | moved
-    gbps = {k: moved_bytes[k] / s / 1e9 for k, s in seconds.items()}
-    gbps["ours_sleep_clean"] = n / seconds["ours_sleep_clean"] / 1e9  # effective
+    rates = {k: gbps(moved_bytes[k], s) for k, s in seconds.items()}
+    rates["ours_sleep_clean"] = gbps(n, seconds["ours_sleep_clean"])  # effective
 
     flat_in = "flat_copy" if device.type == "cpu" else "flat_h2d_pinned"
     flat_out = "flat_copy" if device.type == "cpu" else "flat_d2h_pinned"
     ratios = {"reference_sleep/ours_sleep_clean":
               seconds["reference_sleep"] / seconds["ours_sleep_clean"],
-              "ours_wake/flat_gbps": gbps["ours_wake"] / gbps[flat_in],
-              "ours_sleep_dirty/flat_gbps": gbps["ours_sleep_dirty"] / gbps[flat_out]}
+              "ours_wake/flat_gbps": rates["ours_wake"] / rates[flat_in],
+              "ours_sleep_dirty/flat_gbps": rates["ours_sleep_dirty"] / rates[flat_out]}
     if device.type == "cpu":
-        ratios["ours_wake/flat_warm_gbps"] = gbps["ours_wake"] / gbps["flat_copy_warm"]
+        ratios["ours_wake/flat_warm_gbps"] = rates["ours_wake"] / rates["flat_copy_warm"]
         targets = {"clean sleep >= 100x faster than reference sleep":
                    (ratios["reference_sleep/ours_sleep_clean"], 100.0),
                    "wake >= 0.7x flat-copy bandwidth": (ratios["ours_wake/flat_gbps"], 0.7),
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                        "device": str(device), "repeats": args.repeats, "malloc": args.malloc,
                        "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "build_seconds": build_s},
-            "results": {k: {"seconds": s, "bytes": moved_bytes[k], "gbps": gbps[k]}
+            "results": {k: {"seconds": s, "bytes": moved_bytes[k], "gbps": rates[k]}
                         for k, s in seconds.items()},
             "ratios": ratios,
             "targets": {k: {"value": v, "target": t, "pass": v >= t}
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'operation':<22}{'seconds':>12}{'bytes moved':>16}{'GB/s':>12}")
         for k, s in seconds.items():
             note = " (effective)" if k == "ours_sleep_clean" else ""
-            print(f"{k:<22}{s:>12.6f}{moved_bytes[k]:>16,}{gbps[k]:>12.2f}{note}")
+            print(f"{k:<22}{s:>12.6f}{moved_bytes[k]:>16,}{rates[k]:>12.2f}{note}")
         for k, v in ratios.items():
             print(f"{k:<36}{v:>10.2f}")
         for k, (v, t) in targets.items():
@@ -265,6 +268,3 @@ def main(argv: list[str] | None = None) -> int:
               f"(reference: {ok_reference}, library: {ok_ours})")
     return 0 if correct else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

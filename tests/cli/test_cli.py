@@ -39,6 +39,7 @@ def failing_toml(tmp_path: Path) -> Path:
 
 
 def test_default_drill_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default drill exits 0 and prints a PASS with its sleep and wake steps."""
     assert main(["drill", "--size", "4MB", "--cycles", "1"]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "sleep" in out and "wake" in out
@@ -46,12 +47,14 @@ def test_default_drill_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_failing_expectation_exits_1(failing_toml: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A scenario whose expectation fails exits 1 and prints FAIL with the expected phase."""
     assert main(["drill", str(failing_toml), "--size", "4MB"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "expected sleeping" in out
 
 
 def test_shipped_scenario_runs_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """The shipped basic.toml scenario runs from the command line and exits 0."""
     assert main(["drill", str(ROOT / "scripts" / "drills" / "basic.toml"), "--size", "4MB"]) == 0
     assert "basic cycle" in capsys.readouterr().out
 
@@ -67,12 +70,13 @@ def test_shipped_scenario_runs_from_the_command_line(capsys: pytest.CaptureFixtu
 def test_bad_scenario_files_exit_2_before_anything_runs(
         tmp_path: Path, toml: str, needle: str, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import lifecycle.drills as drills
+    """An invalid scenario file exits 2 with the problem on stderr, before any pipeline is built."""
+    from lifecycle.demo import DemoPipeline  # the class the drill runner builds
 
     def no_build(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a pipeline was built for an invalid scenario")
 
-    monkeypatch.setattr(drills.DemoPipeline, "build", no_build)
+    monkeypatch.setattr(DemoPipeline, "build", no_build)
     path = tmp_path / "bad.toml"
     path.write_text(toml)
     assert main(["drill", str(path)]) == 2
@@ -81,6 +85,7 @@ def test_bad_scenario_files_exit_2_before_anything_runs(
 
 
 def test_missing_scenario_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A scenario path that does not exist exits 2 saying it was not found."""
     assert main(["drill", str(tmp_path / "nowhere.toml")]) == 2
     assert "not found" in capsys.readouterr().err
 
@@ -94,6 +99,7 @@ def test_missing_scenario_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFix
 ])
 def test_bad_options_exit_2(args: list[str], needle: str,
                             capsys: pytest.CaptureFixture[str]) -> None:
+    """An invalid size, residency, cycle count or device exits 2 with an error naming it on stderr."""
     assert main(["drill", "--size", "4MB", "--cycles", "1", *args]) == 2
     assert needle in capsys.readouterr().err
 
@@ -106,6 +112,7 @@ def test_residency_naming_an_unknown_component_exits_2(
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """No command, an unknown command or a non-integer ``--cycles`` is a usage error exiting 2."""
     for argv in ([], ["fly"], ["drill", "--cycles", "many"]):
         with pytest.raises(SystemExit) as info:
             main(argv)
@@ -114,6 +121,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--json`` prints one JSON document with the scenario, verdict and per-step fields."""
     assert main(["drill", "--size", "4MB", "--cycles", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {"scenario", "passed", "steps"} <= set(doc)
@@ -124,6 +132,7 @@ def test_json_report(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_json_report_of_a_failing_drill(failing_toml: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A failing drill's JSON report says it did not pass and names the failing step."""
     assert main(["drill", str(failing_toml), "--size", "4MB", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["passed"] is False and doc["scenario"] == "failing"
@@ -131,6 +140,7 @@ def test_json_report_of_a_failing_drill(failing_toml: Path,
 
 
 def test_timeline_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--timeline`` writes a PNG and prints its path."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "out.png"
     assert main(["drill", "--size", "4MB", "--cycles", "1", "--timeline", str(out)]) == 0
@@ -140,15 +150,44 @@ def test_timeline_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_timeline_without_matplotlib_says_how_to_install(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lifecycle._timeline import draw_timeline
-    from lifecycle.drills import DrillReport
+    """Without matplotlib, drawing a timeline raises a RuntimeError naming the ``plot`` extra to
+    install."""
+    from lifecycle.cli.drills import DrillReport
+    from lifecycle.cli.timeline import draw_timeline
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     with pytest.raises(RuntimeError, match=r"pip install 'residency\[plot\]'"):
         draw_timeline(DrillReport("x", "cpu", 0), tmp_path / "x.png")
 
 
+def test_the_command_without_rich_says_which_extra_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without rich, a drill stops with a message naming the ``cli`` extra, not a traceback."""
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # import fails
+    with pytest.raises(SystemExit, match=r"pip install 'residency\[cli\]'"):
+        main(["drill", "--cycles", "0", "--size", "1MB"])
+
+
+def test_the_library_works_without_the_commands_extras_and_never_loads_the_command() -> None:
+    """With rich and matplotlib unavailable, a server embedding the controller attaches,
+    sleeps and wakes, and no command code is imported."""
+    import subprocess
+
+    code = ("import sys, anyio; sys.modules['rich'] = sys.modules['matplotlib'] = None\n"
+            "import lifecycle, strategies, lifecycle.testing, lifecycle.adapters\n"
+            "from lifecycle.demo import DemoPipeline\n"
+            "async def main():\n"
+            "    async with lifecycle.LifecycleController('cpu') as ctl:\n"
+            "        await ctl.attach(DemoPipeline.build(2**20))\n"
+            "        assert (await ctl.sleep()).success and (await ctl.wake()).success\n"
+            "anyio.run(main)\n"
+            "sys.exit(1 if 'lifecycle.cli' in sys.modules else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_diagram_is_mermaid_with_every_trigger(capsys: pytest.CaptureFixture[str]) -> None:
+    """``diagram`` prints a Mermaid state diagram with one edge per transition and its trigger."""
     assert main(["diagram"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == "stateDiagram-v2"
@@ -157,6 +196,7 @@ def test_diagram_is_mermaid_with_every_trigger(capsys: pytest.CaptureFixture[str
 
 
 def test_python_m_lifecycle_diagram() -> None:
+    """``python -m lifecycle diagram`` exits 0 and prints the Mermaid diagram with every trigger."""
     proc = subprocess.run([sys.executable, "-m", "lifecycle", "diagram"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr

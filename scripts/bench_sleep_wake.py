@@ -1,7 +1,0 @@
-"""Sleep/wake benchmark (the same as ``residency bench``); see lifecycle/bench.py."""
-
-import sys
-
-from lifecycle.bench import main
-
-sys.exit(main())

@@ -1,0 +1,113 @@
+"""Fault-injecting device layers, beside the device layer they wrap: for testing code that
+uses this library (and for this library's own tests). ``lifecycle.testing`` re-exports them.
+
+:class:`FaultInjection` makes a device layer fail the k-th copy or allocation, or slow every
+copy down, so that rollback and cancellation paths run for real; :class:`FaultyDevice` is
+the CPU layer with it, :func:`faulty_device_layer` the right one for any device. It counts
+every copy and allocation so a test can enumerate every failure point::
+
+    probe = FaultyDevice()
+    ... run the operation once with probe, note probe.copies ...
+    for k in range(1, probe.copies + 1):
+        layer = FaultyDevice(fail_copy_at=k)
+        ...
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from ._device import CpuDevice, CudaDevice, DeviceLayer, Tier, resolve_device
+
+__all__ = ["FaultInjection", "FaultyDevice", "InjectedFault", "faulty_device_layer"]
+
+
+class InjectedFault(RuntimeError):
+    """The failure a fault-injecting layer raises at its chosen point."""
+
+
+class FaultInjection(DeviceLayer):
+    """Mixin for a device layer: fails the ``fail_copy_at``-th copy or the
+    ``fail_alloc_at``-th allocation (1-based, counted over the layer's life), sleeps
+    ``copy_delay`` seconds in every copy and ``alloc_delay`` in every allocation, each plus
+    up to ``jitter`` seconds at random (seeded by ``seed``): races show up. Copies before the
+    failing one really happen: the failure is a real partial move."""
+
+    def __init__(self, *args: Any, fail_copy_at: int | None = None,
+                 fail_alloc_at: int | None = None, copy_delay: float = 0.0,
+                 alloc_delay: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
+        super().__init__(*args)
+        self.fail_copy_at = fail_copy_at
+        self.fail_alloc_at = fail_alloc_at
+        self.copy_delay = copy_delay
+        self.alloc_delay = alloc_delay
+        self.jitter = jitter  # up to this many seconds more, at random, for each delay
+        self._random = random.Random(seed)
+        self.faults = 0
+        # id -> weak reference, removed by the reference's callback when the buffer dies
+        self._device_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    @property
+    def live_device_bytes(self) -> int:
+        """Bytes of device buffers this layer allocated that are still alive (whatever the
+        report says): a leak check that needs no allocator statistics."""
+        return sum(t.nbytes for r in list(self._device_buffers.values())
+                   if (t := r()) is not None)
+
+    def arm(self, *, copy_at: int | None = None, alloc_at: int | None = None) -> None:
+        """Fail the ``copy_at``-th / ``alloc_at``-th operation from now on (1 = the next)."""
+        self.fail_copy_at = None if copy_at is None else self.copies + copy_at
+        self.fail_alloc_at = None if alloc_at is None else self.allocations + alloc_at
+
+    def _delay(self, seconds: float) -> None:
+        if seconds or self.jitter:
+            time.sleep(seconds + self._random.uniform(0.0, self.jitter))
+
+    def _alloc(self, nbytes: int, tier: Tier, pinned: bool) -> torch.Tensor:
+        self._delay(self.alloc_delay)
+        if self.allocations == self.fail_alloc_at:
+            self.faults += 1
+            self.fail_alloc_at = None
+            raise InjectedFault(f"injected allocation failure ({tier}, {nbytes} bytes)")
+        buf = super()._alloc(nbytes, tier, pinned)
+        if tier == "device":
+            key = id(buf)
+            self._device_buffers[key] = weakref.ref(
+                buf, lambda _, key=key: self._device_buffers.pop(key, None))  # type: ignore[misc]
+        return buf
+
+    def _copy_one(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._delay(self.copy_delay)
+        if self.copies + 1 == self.fail_copy_at:
+            self.faults += 1
+            self.fail_copy_at = None
+            raise InjectedFault(f"injected copy failure ({src.nbytes} bytes)")
+        super()._copy_one(dst, src)
+
+
+class FaultyDevice(FaultInjection, CpuDevice):
+    """The CPU device layer with fault injection."""
+
+    def __init__(self, device: torch.device | None = None, *, fail_copy_at: int | None = None,
+                 fail_alloc_at: int | None = None, copy_delay: float = 0.0,
+                 alloc_delay: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
+        super().__init__(device, fail_copy_at=fail_copy_at, fail_alloc_at=fail_alloc_at,
+                         copy_delay=copy_delay, alloc_delay=alloc_delay, jitter=jitter, seed=seed)
+
+
+class FaultyCudaDevice(FaultInjection, CudaDevice):  # pragma: no cover - CUDA only
+    """The CUDA device layer with fault injection."""
+
+
+def faulty_device_layer(device: str | torch.device | None = None, **faults: Any
+                        ) -> FaultInjection:
+    """A fault-injecting layer for ``device`` (see :func:`strategies.resolve_device`)."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return FaultyCudaDevice(dev, **faults)
+    return FaultyDevice(dev, **faults)
