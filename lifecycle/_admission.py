@@ -31,6 +31,7 @@ class Admission:
         self._reopened = anyio.Event()
         self._reopened.set()
         self._returned = anyio.Event()
+        self._exempt: frozenset[int] = frozenset()  # leases the drain in progress ignores
 
     @property
     def in_flight(self) -> int:
@@ -49,8 +50,11 @@ class Admission:
         self._leases[lease] = what
         return lease
 
+    def _drained(self) -> bool:
+        return self._leases.keys() <= self._exempt
+
     def give(self, lease: int) -> None:
-        if self._leases.pop(lease, None) is not None and not self._leases:
+        if self._leases.pop(lease, None) is not None and self._drained():
             self._returned.set()
 
     async def wait_open(self, component: str) -> None:
@@ -67,22 +71,27 @@ class Admission:
 
     @asynccontextmanager
     async def closed(self, trigger: str, phase: Callable[[], Phase],
-                     before_drain: Callable[[], Awaitable[None]] | None = None
-                     ) -> AsyncIterator[None]:
-        """Close the gate, drain the leases, run the body, reopen (on every exit path)."""
+                     before_drain: Callable[[], Awaitable[None]] | None = None,
+                     exempt: frozenset[int] = frozenset()) -> AsyncIterator[None]:
+        """Close the gate, drain the leases (but ``exempt``: the caller's own request),
+        run the body, reopen (on every exit path)."""
         assert self._closed_by is None, "transitions are serialised by the controller's lock"
         self._closed_by = trigger
         self._reopened = anyio.Event()
+        self._exempt = exempt
         try:
             if before_drain is not None:
                 await before_drain()
-            if self._leases:
+            if not self._drained():
                 self._returned = anyio.Event()
                 with anyio.move_on_after(self.drain_timeout):
                     await self._returned.wait()
-                if self._leases:
-                    raise DrainTimeout(trigger, phase(), self.held(), self.drain_timeout or 0.0)
+                if not self._drained():
+                    held = [w for lease, w in sorted(self._leases.items())
+                            if lease not in exempt]
+                    raise DrainTimeout(trigger, phase(), held, self.drain_timeout or 0.0)
             yield
         finally:
             self._closed_by = None
+            self._exempt = frozenset()
             self._reopened.set()

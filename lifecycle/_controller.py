@@ -78,6 +78,7 @@ __all__ = ["LifecycleController"]
 
 _log = get_logger("lifecycle")
 _ids = itertools.count(1)
+_controller_ids = itertools.count(1)
 _VALID = frozenset((t.trigger, t.source) for t in TRANSITIONS)
 
 
@@ -139,6 +140,9 @@ class LifecycleController:
                  progress: Callable[[str, int, int], None] | None = None,
                  device_layer: DeviceLayer | None = None) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
+        # In every event of this controller (with ``rank``): tells controllers of one process
+        # apart, e.g. for lifecycle.metrics.
+        self.id = next(_controller_ids)
         self.use_fsdp_inference = use_fsdp_inference
         self.rank = rank
         self.config = ResidencyConfig.parse(residency)
@@ -148,7 +152,8 @@ class LifecycleController:
         self._fsm_model = _PhaseModel()
         self._fsm = _build_machine(self._fsm_model)
         self._lock = anyio.Lock()
-        self._uses = Uses(self._admission, self._layer, lambda: self.phase, self.wake, rank)
+        self._uses = Uses(self._admission, self._layer, lambda: self.phase, self.wake, rank,
+                          self.id)
         self._uses.auto_wake = auto_wake
         self._uses.prefetch_components = prefetch_components
         self._transition: str | None = None
@@ -224,8 +229,20 @@ class LifecycleController:
         return self._uses.component(name)
 
     # -- the road every transition travels ---------------------------------------------
-    def _refusal(self, trigger: str) -> tuple[Refusal, str] | None:
-        """Noop first, then FSDP (sleep/wake), then failure/rejection: the reference's order."""
+    def _refusal(self, trigger: str, called: str | None = None) -> tuple[Refusal, str] | None:
+        """Noop first, then FSDP (sleep/wake), then failure/rejection: the reference's order.
+        A rejection is raised (and logged as one); a noop or a failure result is returned.
+        ``called``: the name the caller knows the call by (``update_from_disk`` for the
+        ``begin_update`` trigger), used in the event."""
+        try:
+            return self._look_up_refusal(trigger)
+        except TransitionRejected as exc:
+            _log.info(events.TRANSITION_REJECTED, trigger=called or trigger,
+                      phase=self.phase.value, outcome="refused", reason=exc.reason,
+                      rank=self.rank, controller=self.id)
+            raise
+
+    def _look_up_refusal(self, trigger: str) -> tuple[Refusal, str] | None:
         found = REFUSALS.get((trigger, self.phase))
         if found and found[0] is Refusal.NOOP:
             return found[:2]
@@ -254,7 +271,8 @@ class LifecycleController:
                         await move.undo()
                 forget_locals(exc)  # the frames held the moves' buffers and backups
                 _log.warning(events.TRANSITION_ROLLED_BACK, trigger=trigger, phase=self.phase.value,
-                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+                             outcome="rolled_back" if isinstance(exc, Exception) else "cancelled",
+                             error=f"{type(exc).__name__}: {exc}", rank=self.rank, controller=self.id)
                 raise
         for move in moves:
             move.commit()
@@ -263,7 +281,7 @@ class LifecycleController:
             error = await move.settle()
             if error is not None:
                 _log.warning(events.UPDATE_MIRROR_STALE, component=move.store.name,
-                             error=f"{type(error).__name__}: {error}", rank=self.rank)
+                             error=f"{type(error).__name__}: {error}", rank=self.rank, controller=self.id)
         return sum(m.bytes_copied for m in moves)
 
     def _commit_phase(self, trigger: str) -> None:
@@ -422,7 +440,8 @@ class LifecycleController:
             if refusal:
                 how, message = refusal
                 _log.info(events.TRANSITION_REJECTED, trigger=trigger, phase=self.phase.value,
-                          reason=message, rank=self.rank)
+                          outcome="noop" if how is Refusal.NOOP else "refused", reason=message,
+                          rank=self.rank, controller=self.id)
                 return OccupationResult(how is Refusal.NOOP, self.phase is Phase.SLEEPING,
                                         message, self.phase)
             with structlog.contextvars.bound_contextvars(transition=trigger,
@@ -434,7 +453,8 @@ class LifecycleController:
     async def _gate(self, trigger: str) -> AsyncIterator[None]:
         """Close admission, drop unused prefetches, drain leases; reopen afterwards."""
         async with self._admission.closed(trigger, lambda: self.phase,
-                                          self._uses.stop_prefetches):
+                                          self._uses.stop_prefetches,
+                                          exempt=self._uses.own_leases()):
             for c in self._uses.components.values():
                 c.strategy.quiesce()
             yield
@@ -485,7 +505,7 @@ class LifecycleController:
             store = c.strategy.store
             if store.structure_changed() or store.drifted():
                 _log.warning(events.STORE_RESCAN, component=c.name,
-                             drifted=store.drifted()[:8], rank=self.rank)
+                             drifted=store.drifted()[:8], rank=self.rank, controller=self.id)
                 try:
                     store.rescan()
                 except StoreError as exc:
@@ -496,14 +516,14 @@ class LifecycleController:
         _log.debug(events.MOVE_PREPARED, component=component, to=move.to, units=len(move.units),
                    bytes=move.bytes_copied, seconds=round(seconds, 6),
                    gbps=round(gbps(move.bytes_copied, seconds), 3),
-                   rank=self.rank)
+                   rank=self.rank, controller=self.id)
 
     def _summary(self, trigger: str, source: Phase, copied: int, seconds: float,
                  released: int = 0) -> None:
         _log.info(events.TRANSITION_COMMITTED, trigger=trigger, source=source.value,
                   dest=self.phase.value, outcome="committed", seconds=round(seconds, 6),
                   bytes=copied, released=released,
-                  gbps=round(gbps(copied, seconds), 3), rank=self.rank)
+                  gbps=round(gbps(copied, seconds), 3), rank=self.rank, controller=self.id)
 
     # -- weight updates --------------------------------------------------------------
     @property
@@ -548,8 +568,10 @@ class LifecycleController:
 
     async def _update(self, kind: str, make_plan: Callable[[], UpdatePlan]) -> UpdateResult:
         async with self._lock:
-            refusal = self._refusal("begin_update")
+            refusal = self._refusal("begin_update", kind)
             if refusal:
+                _log.info(events.TRANSITION_REJECTED, trigger=kind, phase=self.phase.value,
+                          outcome="refused", reason=refusal[1], rank=self.rank, controller=self.id)
                 return UpdateResult(False, refusal[1], self._version)
             with structlog.contextvars.bound_contextvars(transition=kind,
                                                          transition_id=next(_ids)):
@@ -558,7 +580,7 @@ class LifecycleController:
                     plan = await anyio.to_thread.run_sync(make_plan, limiter=self._threads)
                 except (UpdateRefused, TransitionRejected) as exc:
                     _log.info(events.TRANSITION_REJECTED, trigger=kind, phase=self.phase.value,
-                              reason=str(exc), rank=self.rank)
+                              outcome="refused", reason=str(exc), rank=self.rank, controller=self.id)
                     return UpdateResult(False, str(exc), self._version)
                 try:
                     async with self._gate(kind):
@@ -582,13 +604,15 @@ class LifecycleController:
             written = await self._transact(kind, prepare)
         except TransitionFailed as exc:
             return UpdateResult(False, f"update failed and was rolled back; weights are "
-                                f"unchanged: {type(exc.cause).__name__}: {exc.cause}", before)
+                                f"unchanged: {type(exc.cause).__name__}: {exc.cause}", before,
+                                rolled_back=True)
         finally:
             self._commit_phase("end_update")
         self._version += 1
         seconds = time.perf_counter() - t0
         if plan.casts:
-            _log.info(events.UPDATE_CAST, tensors=len(plan.casts), casts=plan.casts[:16])
+            _log.info(events.UPDATE_CAST, tensors=len(plan.casts), casts=plan.casts[:16],
+                      rank=self.rank, controller=self.id)
         self._summary(kind, Phase.AWAKE, written, seconds)
         return UpdateResult(True, f"updated {len(plan.writes)} tensor(s) of "
                             f"{list(plan.components)} to version {self._version}",

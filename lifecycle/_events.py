@@ -28,9 +28,10 @@ commands): it installs one console or JSON-lines handler on the root logger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from types import FrameType
 from typing import Any
 
@@ -67,6 +68,8 @@ __all__ = [
     "UPDATE_MIRROR_STALE",
     "UPDATE_SKIPPED_COMPONENTS",
     "USE_RELEASE_FAILED",
+    "EventSink",
+    "add_event_sink",
     "configure_logging",
     "get_logger",
 ]
@@ -111,8 +114,39 @@ def _stacklevel(processing: FrameType | None) -> int:
     return level if f is not None else 1
 
 
-# filter_by_level first: a disabled level costs one comparison, nothing is merged or rendered.
+EventSink = Callable[[Mapping[str, Any]], None]
+_SINKS: list[EventSink] = []
+
+
+def add_event_sink(sink: EventSink) -> Callable[[], None]:
+    """Call ``sink(event)`` for every event of the library, whatever the logging level (the
+    event dict: ``event`` (its name), its fields and the bound context such as
+    ``transition_id``). Metrics are built on this (:mod:`lifecycle.metrics`). A sink must be
+    quick and must not raise (an error in it is swallowed: a transition never fails for a
+    sink). Returns a function that removes the sink."""
+    _SINKS.append(sink)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            _SINKS.remove(sink)
+
+    return remove
+
+
+def _to_sinks(logger: Any, method_name: str,
+              event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    if _SINKS:
+        event = {**structlog.contextvars.get_contextvars(), **event_dict}
+        for sink in list(_SINKS):
+            with contextlib.suppress(Exception):
+                sink(event)
+    return event_dict
+
+
+# Sinks see every event; then filter_by_level: a disabled level costs one comparison,
+# nothing is merged or rendered.
 _PROCESSORS: list[structlog.typing.Processor] = [
+    _to_sinks,
     structlog.stdlib.filter_by_level,
     structlog.contextvars.merge_contextvars,
     structlog.processors.add_log_level,

@@ -46,11 +46,12 @@ class UpdateResult:
     updated: tuple[str, ...] = ()
     bytes_written: int = 0
     seconds: float = 0.0
+    rolled_back: bool = False  # it failed while writing and every tensor was restored
 
     def as_dict(self) -> dict[str, Any]:
         return {"success": self.success, "message": self.message, "version": self.version,
                 "updated": list(self.updated), "bytes_written": self.bytes_written,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "rolled_back": self.rolled_back}
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ class Component:
 class _Request:
     order: tuple[str, ...]
     tg: anyio.abc.TaskGroup
+    lease: int
     position: int = -1
     started: set[str] = field(default_factory=set)
 
@@ -75,12 +76,13 @@ class Uses:
     """Leases, placement around uses, and request-level prefetch for one controller."""
 
     def __init__(self, admission: Admission, layer: DeviceLayer, phase: Callable[[], Phase],
-                 wake: Callable[[], Awaitable[object]], rank: int) -> None:
+                 wake: Callable[[], Awaitable[object]], rank: int, controller_id: int = 0) -> None:
         self.admission = admission
         self.layer = layer
         self.phase = phase
         self.wake = wake
         self.rank = rank
+        self.controller_id = controller_id  # named in events
         self.components: dict[str, Component] = {}
         self.auto_wake = False
         self.prefetch_components = True
@@ -114,6 +116,12 @@ class Uses:
             self.admission.give(lease)
 
     async def _admit(self, name: str) -> None:
+        if self._request.get() is not None:
+            # A use inside a request of ours: the request holds a lease, so a transition is
+            # draining it, not starting; its uses go on (waiting would deadlock the drain).
+            if self.phase() is Phase.SLEEPING:
+                raise ComponentAsleep(name)
+            return
         while True:
             await self.admission.wait_open(name)
             if self.phase() is Phase.SLEEPING:
@@ -159,7 +167,8 @@ class Uses:
                 # The component stays where it is (consistent, mirror not current); the
                 # next sleep copies it. Reported, not raised over the user's own result.
                 _log.warning(events.USE_RELEASE_FAILED, component=c.name,
-                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+                             error=f"{type(exc).__name__}: {exc}", rank=self.rank,
+                             controller=self.controller_id)
 
     # -- request and prefetch ----------------------------------------------------------
     @asynccontextmanager
@@ -168,9 +177,14 @@ class Uses:
         if unknown:
             raise KeyError(f"request names unknown components {unknown}; "
                            f"components: {sorted(self.components)}")
+        # The whole request holds a lease: a sleep or an update that comes while it runs
+        # waits for all of it (drains it), not just for the use in progress, so a generation
+        # is never cut between two of its components.
+        await self._admit(order[0] if order else "request")
+        lease = self.admission.take(f"request {list(order)}")
         try:
             async with anyio.create_task_group() as tg:
-                req = _Request(tuple(order), tg)
+                req = _Request(tuple(order), tg, lease)
                 token = self._request.set(req)
                 try:
                     yield
@@ -184,6 +198,14 @@ class Uses:
             if len(group.exceptions) == 1:
                 raise group.exceptions[0]  # noqa: B904
             raise
+        finally:
+            self.admission.give(lease)
+
+    def own_leases(self) -> frozenset[int]:
+        """The leases of the requests the calling task is in: a transition it starts must
+        not wait for them (it would wait for itself)."""
+        req = self._request.get()
+        return frozenset() if req is None else frozenset({req.lease})
 
     def _prefetch_next(self, name: str) -> None:
         req = self._request.get()
@@ -223,7 +245,8 @@ class Uses:
                             return
             except Exception as exc:
                 _log.warning(events.PREFETCH_FAILED, component=c.name,
-                             error=f"{type(exc).__name__}: {exc}", rank=self.rank)
+                             error=f"{type(exc).__name__}: {exc}", rank=self.rank,
+                             controller=self.controller_id)
         with anyio.CancelScope(shield=True):
             await self._drop_prefetch(c, pf)
 

@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp_file" 2>/dev/null)" != "$stam
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" >&2
   fi
-  "$VENV/bin/python" -m pip install -q -c "$ROOT/scripts/constraints.txt" -e "$ROOT[cli,plot,test]" >&2
+  "$VENV/bin/python" -m pip install -q -c "$ROOT/scripts/constraints.txt" -e "$ROOT[cli,plot,serve,test]" >&2
   echo "$stamp_want" > "$stamp_file"
 fi
 PY="$VENV/bin/python"

@@ -128,6 +128,24 @@ def _bench(args: argparse.Namespace) -> int:
                                                            "repeats": args.repeats or 3}))
 
 
+def _serve_doc() -> str | None:
+    from . import serve
+
+    return serve.__doc__
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    from . import serve
+
+    serve.add_arguments(p)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from . import serve
+
+    return serve.run(args)
+
+
 def _diagram(args: argparse.Namespace) -> int:
     print(mermaid(), end="")
     return 0
@@ -150,6 +168,10 @@ def _parser() -> argparse.ArgumentParser:
                                      "bandwidth limit (default: sleep-wake, then update)")
     b.set_defaults(func=_bench)
     _bench_parsers(b)
+    s = sub.add_parser("serve", help="serve the pipeline's control plane over HTTP",
+                       description=_serve_doc())
+    _serve_arguments(s)
+    s.set_defaults(func=_serve)
     g = sub.add_parser("diagram", help="the lifecycle state machine as Mermaid")
     g.set_defaults(func=_diagram)
     return parser

@@ -185,8 +185,9 @@ def test_structlog_configuration_does_not_affect_the_library() -> None:
 
 
 def test_disabled_levels_are_dropped_before_rendering() -> None:
-    """Below the stdlib level nothing reaches logging, and the level check comes first."""
-    assert events._PROCESSORS[0] is structlog.stdlib.filter_by_level
+    """Below the stdlib level nothing reaches logging, and the level check comes first (after
+    the event sinks, which see every event whatever the level)."""
+    assert events._PROCESSORS[:2] == [events._to_sinks, structlog.stdlib.filter_by_level]
     with _listening(level=logging.INFO) as records:
         events.get_logger("lifecycle").debug(events.MOVE_PREPARED, component="vae")
         events.get_logger("lifecycle.updates").debug(events.UPDATE_CAST, tensors=1)
@@ -256,3 +257,25 @@ def test_every_event_name_is_a_constant() -> None:
     names = {getattr(events, n) for n in events.__all__ if n.isupper() and n != "EVENTS"}
     assert names == events.EVENTS
     assert all(isinstance(n, str) and "." in n for n in names)
+
+
+def test_event_sinks_see_every_event_whatever_the_level_and_can_be_removed() -> None:
+    """A sink gets the event dict (name, fields, bound context) even when logging drops it;
+    a failing sink breaks nothing; after removal it gets nothing."""
+    seen: list[dict[str, object]] = []
+
+    def broken(event: object) -> None:
+        raise RuntimeError("a sink that fails")
+
+    remove = events.add_event_sink(lambda e: seen.append(dict(e)))
+    remove_broken = events.add_event_sink(broken)
+    try:
+        with _listening(level=logging.WARNING) as records:
+            events.get_logger("lifecycle").debug(events.MOVE_PREPARED, component="vae")
+        assert records == []
+        assert seen == [{"event": events.MOVE_PREPARED, "component": "vae"}]
+    finally:
+        remove()
+        remove_broken()
+    events.get_logger("lifecycle").debug(events.MOVE_PREPARED, component="dit")
+    assert len(seen) == 1

@@ -92,12 +92,12 @@ async def test_a_request_belongs_to_its_controller(same_names: bool, outer: str)
         # B's first component has the name of A's first: B must not act on A's request.
         async with b.use(first_b) as module:
             assert prefetching(b) == [] and prefetching(a) == []
-            assert b.in_flight == 1 and a.in_flight == 0
+            assert b.in_flight == 1 and a.in_flight == 1  # B's use; A's request
             assert module(x).shape[-1] == 32
         async with a.use(order_a[0]):
             # A's request prefetches its next component (lease held) while the first runs.
             with anyio.fail_after(5):
-                while a.in_flight < 2:
+                while a.in_flight < 3:  # the request, the use, the prefetch
                     await anyio.sleep(0.001)
             async with b.use(first_b) as module:
                 assert prefetching(b) == []  # B is in no request: no prefetch of its own

@@ -838,7 +838,7 @@ async def test_request_moves_the_next_component_in_while_the_current_one_runs() 
         async with ctl.use("text_encoder"):
             start = layer.copies
             await anyio.sleep(0.05)
-            assert ctl.in_flight == 2
+            assert ctl.in_flight == 3  # the request, the use, the prefetch
             await wait_for(lambda: layer.copies - start == 1)
             # Copied in, not yet placed: the report counts the buffer it holds.
             assert ctl.strategy("transformer").store.units[0].where == "host"
@@ -858,7 +858,7 @@ async def test_request_ending_without_the_prefetched_use_leaves_nothing_behind(c
     async with ctl.request(ORDER), ctl.use("text_encoder"):
         layer.copy_delay = 0.05 if copying else 0.0
         await anyio.sleep(0.01 if copying else 0.05)
-        assert ctl.in_flight == 2
+        assert ctl.in_flight == 3  # the request, the use, the prefetch
     assert ctl.in_flight == 0
     assert ctl.report().device_bytes == 0
     layer.copy_delay = 0.0
@@ -868,7 +868,8 @@ async def test_request_ending_without_the_prefetched_use_leaves_nothing_behind(c
 
 @pytest.mark.parametrize("copying", [False, True], ids=["prefetched", "still-copying"])
 async def test_sleep_while_a_prefetch_is_pending_succeeds_and_drops_it(copying: bool) -> None:
-    """A sleep inside a request drops the pending prefetch and leaves no device byte."""
+    """A sleep inside a request (which does not wait for its own request) drops the pending
+    prefetch and leaves no device byte; only the request's own lease is left."""
     ctl, layer = await offload_all(drain_timeout=5.0)
     async with ctl.request(ORDER):
         async with ctl.use("text_encoder"):
@@ -877,7 +878,8 @@ async def test_sleep_while_a_prefetch_is_pending_succeeds_and_drops_it(copying: 
         result = await ctl.sleep()
         assert (result.success, result.sleeping) == (True, True)
         assert ctl.report().device_bytes == 0
-        assert ctl.in_flight == 0
+        assert ctl.in_flight == 1  # the request itself
+    assert ctl.in_flight == 0
     assert ctl.report().device_bytes == 0
     layer.copy_delay = 0.0
     assert (await ctl.wake()).success

@@ -1,0 +1,114 @@
+"""``residency serve``: one process serving one pipeline on one device over HTTP.
+
+    residency serve [--host 127.0.0.1] [--port 30000] [--pipeline demo|MODULE:FACTORY]
+        [--size 64MB] [--residency ...] [--device cpu|cuda|cuda:N] [--api-key KEY]
+        [--auto-wake] [--drain-timeout S] [--log-json]
+
+``--pipeline MODULE:FACTORY`` imports ``MODULE`` and calls ``FACTORY()``, which returns a
+pipeline (anything ``attach()`` takes) or ``(pipeline, generate)`` with ``generate`` an
+``async (ctl, body) -> dict`` serving ``/generate``. The pipeline is attached when the server
+starts and detached when it stops. SIGTERM or SIGINT: stop accepting, let requests in flight
+finish (at most ``--drain-timeout`` seconds), detach, exit 0; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import socket
+import sys
+from types import FrameType
+from typing import Any
+
+from lifecycle import LifecycleController, configure_logging
+from lifecycle.demo import DemoPipeline, parse_size
+
+__all__ = ["add_arguments", "load_pipeline", "run"]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of ``residency serve``."""
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    ap.add_argument("--port", type=int, default=30000, help="port (0: any free one)")
+    ap.add_argument("--pipeline", default="demo", help="'demo' or MODULE:FACTORY")
+    ap.add_argument("--size", default="64MB", help="demo pipeline weight size")
+    ap.add_argument("--residency", help="component residency, e.g. 'vae=component-offload'")
+    ap.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    ap.add_argument("--api-key", default=os.environ.get("RESIDENCY_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' (default $RESIDENCY_API_KEY)")
+    ap.add_argument("--auto-wake", action="store_true",
+                    help="a generation while sleeping wakes the pipeline (once) instead of 400")
+    ap.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="seconds a release/update or a shutdown waits for work in flight")
+    ap.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
+
+
+def load_pipeline(spec: str, size: str) -> tuple[Any, Any, str]:
+    """``(pipeline, generate or None, description)`` for ``--pipeline``."""
+    from lifecycle.http import demo_generate
+
+    if spec == "demo":
+        pipe = DemoPipeline.build(parse_size(size))
+        return pipe, demo_generate(pipe), f"demo ({pipe.nbytes / 2**20:.1f} MiB)"
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--pipeline must be 'demo' or MODULE:FACTORY, got {spec!r}")
+    factory = getattr(importlib.import_module(module_name), attr)
+    made = factory()
+    pipe, generate = made if isinstance(made, tuple) else (made, None)
+    return pipe, generate, spec
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 2 on bad usage."""
+    try:
+        import uvicorn
+
+        from lifecycle.http import create_app
+    except ImportError as exc:  # pragma: no cover - the launchers install the extra
+        print(f"residency serve needs the 'serve' extra: pip install 'residency[serve]' ({exc})",
+              file=sys.stderr)
+        return 2
+    try:
+        pipe, generate, described = load_pipeline(args.pipeline, args.size)
+        ctl = LifecycleController(args.device, residency=args.residency,
+                                  drain_timeout=args.drain_timeout, auto_wake=args.auto_wake)
+    except (ValueError, ImportError, AttributeError) as exc:
+        print(f"residency serve: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(json=args.log_json, level="info")
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"residency serve: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+
+    async def startup() -> None:
+        await ctl.attach(pipe)
+        report = ctl.report()
+        print(f"residency serve: http://{args.host}:{port} pipeline {described}, "
+              f"{report.device_bytes + report.host_bytes:,} bytes on {ctl.device}, residency "
+              f"{ctl.config.to_string() or 'resident'}; ready", flush=True)
+
+    async def shutdown() -> None:
+        await ctl.aclose()
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a first SIGTERM/SIGINT drains and exits 0 (uvicorn would
+        re-raise the signal after its shutdown), and a second one of either exits at once."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    app = create_app(ctl, generate=generate, api_key=args.api_key, on_startup=startup,
+                     on_shutdown=shutdown)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=max(1, int(args.drain_timeout)))
+    Server(config).run(sockets=[sock])
+    return 0

@@ -1,0 +1,61 @@
+"""A real uvicorn server on 127.0.0.1 (an ephemeral port) in a thread of the test process,
+serving a controller the test can look at."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+
+from lifecycle import LifecycleController
+from lifecycle.http import Generate, create_app
+
+
+@dataclass
+class Served:
+    """What a test gets: the base URL, a client on it, the controller and its pipeline."""
+
+    url: str
+    client: httpx.Client
+    ctl: LifecycleController
+    pipe: Any
+
+
+@contextmanager
+def running_server(pipe: Any, generate: Generate | None, ctl: LifecycleController,
+                   **app_options: Any) -> Iterator[Served]:
+    """Serve ``pipe`` under ``ctl`` until the block ends (attached at startup, detached at
+    shutdown, as ``residency serve`` does)."""
+
+    async def startup() -> None:
+        await ctl.attach(pipe)
+
+    app = create_app(ctl, generate=generate, on_startup=startup, on_shutdown=ctl.aclose,
+                     **app_options)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            yield Served(url, client, ctl, pipe)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
