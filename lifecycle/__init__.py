@@ -9,14 +9,22 @@ from ._errors import (
     ComponentNotPlaced,
     DrainTimeout,
     FSDPInferenceUnsupported,
+    GroupBroken,
     LifecycleError,
+    RanksDisagree,
     TransitionFailed,
     TransitionRejected,
     WeightUpdateWhileSleeping,
 )
 from ._events import configure_logging
 from ._phase import Phase, mermaid
-from ._results import ComponentPlacement, OccupationResult, PlacementReport, UpdateResult
+from ._results import (
+    ComponentPlacement,
+    OccupationResult,
+    PlacementReport,
+    RankChecksums,
+    UpdateResult,
+)
 from ._sync import SyncLifecycleController
 
 __all__ = [
@@ -27,11 +35,14 @@ __all__ = [
     "ComponentResidencyError",
     "DrainTimeout",
     "FSDPInferenceUnsupported",
+    "GroupBroken",
     "LifecycleController",
     "LifecycleError",
     "OccupationResult",
     "Phase",
     "PlacementReport",
+    "RankChecksums",
+    "RanksDisagree",
     "ResidencyError",
     "StoreError",
     "SyncLifecycleController",

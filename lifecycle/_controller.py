@@ -56,15 +56,24 @@ from ._errors import (
     ComponentAsleep,
     ComponentNotPlaced,
     FSDPInferenceUnsupported,
+    GroupBroken,
+    RanksDisagree,
     TransitionFailed,
     TransitionRejected,
     failures_roll_back,
     forget_locals,
 )
 from ._events import get_logger
+from ._group import GroupFailure, RankGroup, Section
 from ._phase import REFUSALS, TRANSITIONS, Phase, Refusal
 from ._pipeline import components_of
-from ._results import ComponentPlacement, OccupationResult, PlacementReport, UpdateResult
+from ._results import (
+    ComponentPlacement,
+    OccupationResult,
+    PlacementReport,
+    RankChecksums,
+    UpdateResult,
+)
 from ._updates import (
     UpdatePlan,
     UpdateRefused,
@@ -138,8 +147,15 @@ class LifecycleController:
                  drain_timeout: float | None = 30.0, admission_timeout: float | None = None,
                  auto_wake: bool = False, prefetch_components: bool = True,
                  progress: Callable[[str, int, int], None] | None = None,
-                 device_layer: DeviceLayer | None = None) -> None:
+                 device_layer: DeviceLayer | None = None, process_group: Any = None,
+                 collective_timeout: float = 30.0) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
+        # With a process group every transition is collective (see lifecycle._group).
+        self._group = None if process_group is None else RankGroup(process_group,
+                                                                   collective_timeout)
+        self._section: Section | None = None
+        if self._group is not None:
+            rank = self._group.rank
         # In every event of this controller (with ``rank``): tells controllers of one process
         # apart, e.g. for lifecycle.metrics.
         self.id = next(_controller_ids)
@@ -183,6 +199,68 @@ class LifecycleController:
         return self._fsm_model.state
 
     @property
+    def world_size(self) -> int:
+        """Ranks this controller's transitions span (1 without a process group)."""
+        return 1 if self._group is None else self._group.world_size
+
+    def rebind(self, process_group: Any, collective_timeout: float | None = None) -> None:
+        """Make the controller collective over ``process_group`` (a new group of the
+        survivors after :class:`GroupBroken`, or a first group). The local state is kept
+        as it is; the next collective call checks that every rank is in the same phase."""
+        timeout = collective_timeout if collective_timeout is not None else (
+            self._group.timeout if self._group is not None else 30.0)
+        self._group = RankGroup(process_group, timeout)
+        self.rank = self._uses.rank = self._group.rank
+
+    @asynccontextmanager
+    async def _collective(self, trigger: str) -> AsyncIterator[None]:
+        """Around a transition on every rank: agree on the phase first; an error before the
+        deciding vote still votes (no on its way out), so the ranks stay in lock step."""
+        group = self._group
+        if group is None:
+            yield
+            return
+        if group.broken is not None:
+            raise GroupBroken(trigger, self.phase, GroupFailure(group.broken), group.describe())
+        try:
+            phases = await group.phases(self.phase)
+        except GroupFailure as exc:
+            raise GroupBroken(trigger, self.phase, exc, group.describe()) from exc
+        if phases is not None:
+            raise RanksDisagree(trigger, self.phase, phases)
+        section = self._section = Section(group)
+        try:
+            yield
+        except BaseException as exc:
+            if not section.closed:
+                section.closed = True
+                try:
+                    await section.vote(exc)
+                except GroupFailure as broken:
+                    raise GroupBroken(trigger, self.phase, broken, group.describe()) from exc
+            raise
+        finally:
+            self._section = None
+
+    async def _vote(self, trigger: str, error: BaseException | None, *, final: bool
+                    ) -> dict[int, str]:
+        """This rank's vote in the current collective transition (no-op on one rank);
+        returns every rank's failure. ``final``: the deciding vote."""
+        section = self._section
+        if section is None:
+            return {} if error is None else {self.rank: f"{type(error).__name__}: {error}"}
+        if final:
+            section.closed = True
+        try:
+            failures = await section.vote(error)
+        except GroupFailure as broken:
+            section.closed = True
+            raise GroupBroken(trigger, self.phase, broken, section.group.describe()) from error
+        if failures and not final:
+            section.closed = True
+        return failures
+
+    @property
     def device(self) -> torch.device:
         return self._layer.device
 
@@ -214,7 +292,8 @@ class LifecycleController:
             r = c.strategy.store.report()
             comps[name] = ComponentPlacement(c.strategy.mode.value, r.device_bytes, r.host_bytes,
                                              r.pinned_bytes, c.strategy.store.nbytes)
-        return PlacementReport(self.phase, MappingProxyType(comps), self._layer.memory_allocated())
+        return PlacementReport(self.phase, MappingProxyType(comps), self._layer.memory_allocated(),
+                               self.rank, self.world_size)
 
     def _device_bytes(self) -> int:
         return sum(c.strategy.store.device_bytes for c in self._uses.components.values())
@@ -263,25 +342,43 @@ class LifecycleController:
         Returns the bytes copied."""
         moves: list[PreparedMove] = []
         with failures_roll_back(trigger, lambda: self.phase):
+            local: BaseException | None = None
             try:
                 await prepare(moves)
             except BaseException as exc:
+                local = exc
+            try:
+                # Several ranks: all commit or none (a no-op vote on one rank).
+                failures = {} if self._section is None and local is None else \
+                    await self._vote(trigger, local, final=True)
+            except BaseException as exc:  # the group broke: this rank rolls back alone
+                local = exc
+                failures = {}
+            if local is not None or failures:
                 with anyio.CancelScope(shield=True):
                     for move in reversed(moves):
                         await move.undo()
-                forget_locals(exc)  # the frames held the moves' buffers and backups
-                _log.warning(events.TRANSITION_ROLLED_BACK, trigger=trigger, phase=self.phase.value,
-                             outcome="rolled_back" if isinstance(exc, Exception) else "cancelled",
-                             error=f"{type(exc).__name__}: {exc}", rank=self.rank, controller=self.id)
-                raise
+                error = local if local is not None else RuntimeError(
+                    "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items())))
+                forget_locals(error)  # the frames held the moves' buffers and backups
+                _log.warning(events.TRANSITION_ROLLED_BACK, trigger=trigger,
+                             phase=self.phase.value,
+                             outcome="rolled_back" if isinstance(error, Exception) else "cancelled",
+                             error=f"{type(error).__name__}: {error}", failed_ranks=failures,
+                             rank=self.rank, controller=self.id)
+                if failures and isinstance(error, Exception) \
+                        and not isinstance(error, TransitionFailed):
+                    raise TransitionFailed(trigger, self.phase, error, failures) from error
+                raise error
         for move in moves:
             move.commit()
         for move in moves:
             # After commit: work that cannot undo it (a write's mirror refresh).
-            error = await move.settle()
-            if error is not None:
+            stale = await move.settle()
+            if stale is not None:
                 _log.warning(events.UPDATE_MIRROR_STALE, component=move.store.name,
-                             error=f"{type(error).__name__}: {error}", rank=self.rank, controller=self.id)
+                             error=f"{type(stale).__name__}: {stale}", rank=self.rank,
+                             controller=self.id)
         return sum(m.bytes_copied for m in moves)
 
     def _commit_phase(self, trigger: str) -> None:
@@ -302,7 +399,7 @@ class LifecycleController:
         Everything is validated before anything moves: the pipeline's shape, the residency
         configuration against the component names, every tensor (meta, sparse, foreign
         device) and every component's mode (FSDP, layerwise)."""
-        async with self._lock:
+        async with self._lock, self._collective("attach"):
             self._refusal("attach")
             found = components_of(pipeline)
             self.config.validate_components(found)
@@ -390,7 +487,7 @@ class LifecycleController:
 
     async def detach(self) -> Phase:
         """Leave every weight on the host (current), remove hooks, forget the pipeline."""
-        async with self._lock:
+        async with self._lock, self._collective("detach"):
             if self._refusal("detach"):
                 return self.phase
             source = self.phase
@@ -435,7 +532,7 @@ class LifecycleController:
         return await self.wake()
 
     async def _occupation(self, trigger: str) -> OccupationResult:
-        async with self._lock:
+        async with self._lock, self._collective(trigger):
             refusal = self._refusal(trigger)
             if refusal:
                 how, message = refusal
@@ -538,6 +635,22 @@ class LifecycleController:
         names = list(self._uses.components) if components is None else list(components)
         return {n: checksum(self._component(n).strategy.store) for n in names}
 
+    async def weights_checksum_across_ranks(self, components: Sequence[str] | None = None
+                                            ) -> RankChecksums:
+        """Every rank's :meth:`weights_checksum` (collective: every rank calls it), to find
+        the ranks whose copy of a replicated component differs (``.disagreeing()``)."""
+        local = await self.weights_checksum_async(components)
+        if self._group is None:
+            return RankChecksums({n: {self.rank: s} for n, s in local.items()})
+        try:
+            gathered = await self._group.gather(local)
+        except GroupFailure as exc:
+            raise GroupBroken("checksum", self.phase, exc, self._group.describe()) from exc
+        names = sorted({n for g in gathered if isinstance(g, dict) for n in g})
+        return RankChecksums({n: {r: g.get(n, "not_found") if isinstance(g, dict)
+                                  else "not_found" for r, g in enumerate(gathered)}
+                              for n in names})
+
     async def weights_checksum_async(self, components: Sequence[str] | None = None
                                      ) -> dict[str, str]:
         """:meth:`weights_checksum` hashed in a worker thread (the event loop keeps serving),
@@ -567,7 +680,7 @@ class LifecycleController:
         return {n: c.strategy.store for n, c in self._uses.components.items()}
 
     async def _update(self, kind: str, make_plan: Callable[[], UpdatePlan]) -> UpdateResult:
-        async with self._lock:
+        async with self._lock, self._collective(kind):
             refusal = self._refusal("begin_update", kind)
             if refusal:
                 _log.info(events.TRANSITION_REJECTED, trigger=kind, phase=self.phase.value,
@@ -575,13 +688,26 @@ class LifecycleController:
                 return UpdateResult(False, refusal[1], self._version)
             with structlog.contextvars.bound_contextvars(transition=kind,
                                                          transition_id=next(_ids)):
+                plan: UpdatePlan | None = None
+                refused: UpdateRefused | TransitionRejected | None = None
                 try:
                     self._resync_structure(kind)
                     plan = await anyio.to_thread.run_sync(make_plan, limiter=self._threads)
                 except (UpdateRefused, TransitionRejected) as exc:
+                    refused = exc
+                # Several ranks: every rank's plan must be valid before any rank writes.
+                failures = {} if self._section is None else \
+                    await self._vote(kind, refused, final=False)
+                if refused is not None or failures:
+                    if plan is not None:
+                        plan.close()
+                    message = str(refused) if not failures else "update refused on " + \
+                        "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
                     _log.info(events.TRANSITION_REJECTED, trigger=kind, phase=self.phase.value,
-                              outcome="refused", reason=str(exc), rank=self.rank, controller=self.id)
-                    return UpdateResult(False, str(exc), self._version)
+                              outcome="refused", reason=message, rank=self.rank,
+                              controller=self.id)
+                    return UpdateResult(False, message, self._version, failed_ranks=failures)
+                assert plan is not None
                 try:
                     async with self._gate(kind):
                         return await self._apply(kind, plan)
@@ -602,10 +728,12 @@ class LifecycleController:
         self._commit_phase("begin_update")
         try:
             written = await self._transact(kind, prepare)
+        except GroupBroken:
+            raise
         except TransitionFailed as exc:
             return UpdateResult(False, f"update failed and was rolled back; weights are "
                                 f"unchanged: {type(exc.cause).__name__}: {exc.cause}", before,
-                                rolled_back=True)
+                                rolled_back=True, failed_ranks=exc.failed_ranks)
         finally:
             self._commit_phase("end_update")
         self._version += 1

@@ -11,7 +11,9 @@
         │   ├── FSDPInferenceUnsupported  sleep/wake of an FSDP-managed pipeline (+RuntimeError)
         │   ├── WeightUpdateWhileSleeping update requested while SLEEPING
         │   └── DrainTimeout            in-flight uses did not finish in time
+        │   └── RanksDisagree           the ranks of a group are in different phases
         ├── TransitionFailed            the move failed and was rolled back (cause chained)
+        │   └── GroupBroken             a rank of the group died or hung; rolled back here
         ├── ComponentAsleep             a forward or use() while SLEEPING (+RuntimeError)
         ├── ComponentNotPlaced          a forward outside use() on an offloaded component
         └── AdmissionTimeout            use() waited too long for a transition
@@ -24,7 +26,7 @@ Configuration mistakes found while parsing (``ResidencyConfig``) are plain ``Val
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -48,7 +50,9 @@ __all__ = [
     "ComponentNotPlaced",
     "DrainTimeout",
     "FSDPInferenceUnsupported",
+    "GroupBroken",
     "LifecycleError",
+    "RanksDisagree",
     "TransitionFailed",
     "TransitionRejected",
     "WeightUpdateWhileSleeping",
@@ -97,14 +101,43 @@ class DrainTimeout(TransitionRejected):
 
 
 class TransitionFailed(LifecycleError):
-    """The move failed part-way and was rolled back: placement and phase are as before."""
+    """The move failed part-way and was rolled back: placement and phase are as before.
 
-    def __init__(self, trigger: str, phase: Phase, cause: BaseException) -> None:
+    ``failed_ranks``: rank -> reason, for a transition over several ranks (every rank raises
+    this same error, naming the ranks that failed); empty on a single rank."""
+
+    def __init__(self, trigger: str, phase: Phase, cause: BaseException,
+                 failed_ranks: Mapping[int, str] | None = None) -> None:
+        ranks = dict(failed_ranks or {})
+        where = f" (failed on rank(s) {ranks})" if ranks else ""
         super().__init__(f"{trigger} failed and was rolled back; phase is still "
-                         f"{phase.value}: {type(cause).__name__}: {cause}")
+                         f"{phase.value}: {type(cause).__name__}: {cause}{where}")
         self.trigger = trigger
         self.phase = phase
         self.cause = cause
+        self.failed_ranks = ranks
+
+
+class GroupBroken(TransitionFailed):
+    """The process group of a multi-rank controller failed (a rank died or hung past the
+    collective timeout): this rank rolled back; every later collective call raises this at
+    once, until :meth:`LifecycleController.rebind` gives it a new group."""
+
+    def __init__(self, trigger: str, phase: Phase, cause: BaseException, group: str,
+                 missing: str = "unknown") -> None:
+        super().__init__(trigger, phase, cause)
+        self.group = group
+        self.missing = missing
+
+
+class RanksDisagree(TransitionRejected):
+    """The ranks of a group are in different phases (driven apart from outside): nothing is
+    guessed, nothing moves. ``phases``: rank -> phase."""
+
+    def __init__(self, trigger: str, phase: Phase, phases: Mapping[int, str]) -> None:
+        super().__init__(trigger, phase, f"ranks disagree about the phase: {dict(phases)}; "
+                                         "bring them to one phase before a collective call")
+        self.phases = dict(phases)
 
 
 class ComponentAsleep(LifecycleError, RuntimeError):

@@ -47,11 +47,14 @@ class UpdateResult:
     bytes_written: int = 0
     seconds: float = 0.0
     rolled_back: bool = False  # it failed while writing and every tensor was restored
+    # Several ranks: rank -> reason for each rank that failed (the same result on every rank).
+    failed_ranks: Mapping[int, str] = field(default_factory=lambda: MappingProxyType({}))
 
     def as_dict(self) -> dict[str, Any]:
         return {"success": self.success, "message": self.message, "version": self.version,
                 "updated": list(self.updated), "bytes_written": self.bytes_written,
-                "seconds": self.seconds, "rolled_back": self.rolled_back}
+                "seconds": self.seconds, "rolled_back": self.rolled_back,
+                "failed_ranks": {str(r): why for r, why in self.failed_ranks.items()}}
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class PlacementReport:
     components: Mapping[str, ComponentPlacement] = field(
         default_factory=lambda: MappingProxyType({}))
     device_allocated: int | None = None  # the allocator's own count (CUDA), None on CPU
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def device_bytes(self) -> int:
@@ -89,3 +94,27 @@ class PlacementReport:
     @property
     def pinned_bytes(self) -> int:
         return sum(c.pinned_bytes for c in self.components.values())
+
+
+@dataclass(frozen=True)
+class RankChecksums:
+    """Every rank's checksum of every component (:meth:`LifecycleController.
+    weights_checksum_across_ranks`): ``per_rank[component][rank] -> sha256``."""
+
+    per_rank: Mapping[str, Mapping[int, str]]
+
+    def disagreeing(self) -> dict[str, list[int]]:
+        """Components whose ranks do not all agree, with the ranks that differ from the
+        most common checksum (a replicated component should have none)."""
+        out: dict[str, list[int]] = {}
+        for name, sums in self.per_rank.items():
+            values = list(sums.values())
+            common = max(set(values), key=values.count)
+            odd = sorted(r for r, s in sums.items() if s != common)
+            if odd:
+                out[name] = odd
+        return out
+
+    @property
+    def agree(self) -> bool:
+        return not self.disagreeing()

@@ -56,7 +56,8 @@ def build_strategy(name: str, module: nn.Module, config: ResidencyConfig,
             f"Component {name!r} resolved to {mode.value}, but it was loaded as an "
             "FSDP-managed module")
     # Offloaded components always move whole: one buffer and one copy each way.
-    store = TensorStore(name, module, store_layer, whole=mode is not ResidencyMode.RESIDENT)
+    store = TensorStore(name, module, store_layer, whole=mode is not ResidencyMode.RESIDENT,
+                        refuse_dtensors=not is_fsdp_managed(module))
     return _STRATEGIES[mode](name, store)
 
 

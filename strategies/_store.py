@@ -220,6 +220,14 @@ class Fetch:
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 @dataclass(eq=False)
 class _Registration:
     """One place a tensor is found: ``table[key] is tensor``."""
@@ -291,12 +299,16 @@ class TensorStore:
     """
 
     def __init__(self, name: str, module: nn.Module, layer: DeviceLayer,
-                 layers: Sequence[str] = (), *, whole: bool = False) -> None:
+                 layers: Sequence[str] = (), *, whole: bool = False,
+                 refuse_dtensors: bool = True) -> None:
         self.name = name
         self.module = module
         self.layer = layer
         self.layer_keys = tuple(layers)
         self.whole = whole
+        # FSDP manages its own DTensor parameters (such a component stays resident and
+        # sleep/wake is refused); anywhere else a DTensor cannot be placed by us.
+        self.refuse_dtensors = refuse_dtensors
         self.pending_bytes = 0  # device buffers allocated for moves not committed yet
         self._pending_lock = threading.Lock()  # forward hooks run in worker threads too
         self.units: list[Unit] = []
@@ -351,9 +363,15 @@ class TensorStore:
         # Where each tensor is found, to notice a replaced tensor cheaply.
         self._watch += [(r.table, r.key, r.tensor) for r in regs]
         slots: dict[int, _Slot] = {}
+        # DTensors of an FSDP-managed component are FSDP's to place: not inventoried (so not
+        # moved, updated or hashed by us), but their local shards count as device bytes.
+        fsdp_owned: dict[int, int] = {}
         for r in regs:
             self._check_tensor(r.name, r.tensor, r.kind)
             t = r.tensor
+            if not self.refuse_dtensors and _is_dtensor(t):
+                fsdp_owned[id(t)] = int(t.to_local().nbytes)  # type: ignore[attr-defined]
+                continue
             if id(t) not in slots:
                 slots[id(t)] = _Slot(t, [], int(t.storage_offset()) * t.element_size())
             slots[id(t)].names.append(r.name)
@@ -384,6 +402,7 @@ class TensorStore:
             for slot in u.slot_list:
                 slot.record()
         self._inventory_derived(slots)
+        self.fsdp_bytes = sum(fsdp_owned.values())
 
     def _inventory_derived(self, slots: dict[int, _Slot]) -> None:
         """Attach each recomputed attribute to the units holding its module's parameters."""
@@ -425,6 +444,12 @@ class TensorStore:
                              "are supported")
         if t.device.type != "cpu" and t.device != self.layer.device:
             raise StoreError(f"{where} is on {t.device}; expected {self.layer.device} or cpu")
+        if self.refuse_dtensors and _is_dtensor(t):
+            raise StoreError(
+                f"{where} is a DTensor (sharded by tensor parallelism): torch ignores a new "
+                "`.data` on it and its storage is not the local shard's, so it cannot be "
+                "released or restored; attach each rank's local modules unsharded, or keep the "
+                "component FSDP-managed and resident")
 
     def _unit_key(self, st: _Storage) -> str:
         """The layer a storage belongs to, or '' when it is not wholly inside one layer."""
@@ -663,7 +688,7 @@ class TensorStore:
         """Bytes on the device: placed units, buffers of moves in flight, and derived
         attributes recomputed from placed parameters."""
         return sum(u.nbytes for u in self.units if u.where == "device") + self.pending_bytes \
-            + sum(d.nbytes() for d in self.derived)
+            + sum(d.nbytes() for d in self.derived) + self.fsdp_bytes
 
     def report(self) -> StoreReport:
         device = self.device_bytes

@@ -20,8 +20,9 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
     assert set(lifecycle.__all__) == public_names(lifecycle)
     assert set(lifecycle.__all__) == {
         "AdmissionTimeout", "ComponentAsleep", "ComponentNotPlaced", "ComponentPlacement",
-        "ComponentResidencyError", "DrainTimeout", "FSDPInferenceUnsupported",
+        "ComponentResidencyError", "DrainTimeout", "FSDPInferenceUnsupported", "GroupBroken",
         "LifecycleController", "LifecycleError", "OccupationResult", "Phase", "PlacementReport",
+        "RankChecksums", "RanksDisagree",
         "ResidencyError", "StoreError", "SyncLifecycleController", "TransitionFailed",
         "TransitionRejected", "UpdateResult", "WeightUpdateWhileSleeping", "configure_logging",
         "mermaid"}

@@ -254,6 +254,7 @@ async def state(request: Request) -> Response:
     return JSONResponse({
         "phase": ctl.phase.value, "transition": ctl.transition, "in_flight": ctl.in_flight,
         "weights_version": ctl.weights_version, "device": str(ctl.device),
+        "rank": report.rank, "world_size": report.world_size,
         "device_bytes": report.device_bytes, "host_bytes": report.host_bytes,
         "components": {n: {"mode": c.mode, "device_bytes": c.device_bytes,
                            "host_bytes": c.host_bytes, "pinned_bytes": c.pinned_bytes,

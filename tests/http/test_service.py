@@ -333,3 +333,34 @@ def test_a_release_that_cannot_drain_in_time_is_409_and_nothing_moves() -> None:
         r = post(s, "/release_memory_occupation")
         assert r.status_code == 409 and r.json()["success"] is False
         assert slow.result().status_code == 200 and s.ctl.phase is Phase.AWAKE
+
+
+def test_fsdp_sleep_is_a_400_with_the_reference_message() -> None:
+    """sleep/wake of an FSDP pipeline is refused with the reference's message, as a 400 (the
+    reference answers 500), and nothing moves."""
+    pipe = DemoPipeline.build(2**20)
+    ctl = LifecycleController("cpu", use_fsdp_inference=True)
+    with running_server(pipe, demo_generate(pipe), ctl) as s:
+        r = post(s, "/release_memory_occupation")
+        assert r.status_code == 400
+        assert r.json() == {"success": False, "sleeping": False,
+                            "message": "sleep/wake does not support FSDP inference"}
+        assert s.ctl.phase is Phase.AWAKE
+
+
+def test_a_release_that_fails_midway_is_a_500_saying_it_was_rolled_back() -> None:
+    """A copy failing during a release is rolled back: 500 whose body says so, the pipeline
+    still awake and serving; the retry succeeds."""
+    from lifecycle.testing import FaultyDevice
+
+    pipe = DemoPipeline.build(2**20)
+    layer = FaultyDevice()
+    with running_server(pipe, demo_generate(pipe), LifecycleController(device_layer=layer)) as s:
+        layer.arm(copy_at=1)
+        r = post(s, "/release_memory_occupation")
+        assert r.status_code == 500
+        body = r.json()
+        assert body["success"] is False and body["rolled_back"] is True
+        assert "rolled back" in body["message"] and body["sleeping"] is False
+        assert post(s, "/generate", {"seed": 0}).status_code == 200
+        assert post(s, "/release_memory_occupation").status_code == 200
