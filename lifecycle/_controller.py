@@ -10,6 +10,7 @@ trigger on the ``transitions`` machine; log one summary event.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import os
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import anyio
 import anyio.abc
@@ -55,6 +56,7 @@ from ._checkpoint import gbps
 from ._errors import (
     ComponentAsleep,
     ComponentNotPlaced,
+    DrainTimeout,
     FSDPInferenceUnsupported,
     GroupBroken,
     RanksDisagree,
@@ -88,6 +90,7 @@ __all__ = ["LifecycleController"]
 _log = get_logger("lifecycle")
 _ids = itertools.count(1)
 _controller_ids = itertools.count(1)
+_R = TypeVar("_R", OccupationResult, UpdateResult)
 _VALID = frozenset((t.trigger, t.source) for t in TRANSITIONS)
 
 
@@ -235,9 +238,11 @@ class LifecycleController:
             if not section.closed:
                 section.closed = True
                 try:
-                    await section.vote(exc)
+                    failures = await section.vote(exc)
                 except GroupFailure as broken:
                     raise GroupBroken(trigger, self.phase, broken, group.describe()) from exc
+                if isinstance(exc, DrainTimeout):
+                    exc.failed_ranks = failures
             raise
         finally:
             self._section = None
@@ -366,6 +371,13 @@ class LifecycleController:
                              outcome="rolled_back" if isinstance(error, Exception) else "cancelled",
                              error=f"{type(error).__name__}: {error}", failed_ranks=failures,
                              rank=self.rank, controller=self.id)
+                if local is None and all(w.startswith("DrainTimeout") for w in failures.values()):
+                    # Other ranks could not drain: the same refusal as theirs, on every rank.
+                    drained = DrainTimeout(trigger, self.phase,
+                                           [f"rank {r}" for r in sorted(failures)],
+                                           self._admission.drain_timeout or 0.0)
+                    drained.failed_ranks = failures
+                    raise drained
                 if failures and isinstance(error, Exception) \
                         and not isinstance(error, TransitionFailed):
                     raise TransitionFailed(trigger, self.phase, error, failures) from error
@@ -517,11 +529,11 @@ class LifecycleController:
         """Release every device byte of every component; host mirrors keep the weights.
 
         Unchanged weights are not copied (their mirror is current). All-or-nothing."""
-        return await self._occupation("sleep")
+        return self._stamped(await self._occupation("sleep"))
 
     async def wake(self) -> OccupationResult:
         """Restore every component's awake placement, bit-identically. All-or-nothing."""
-        return await self._occupation("wake")
+        return self._stamped(await self._occupation("wake"))
 
     async def release_memory_occupation(self) -> OccupationResult:
         """The reference system's name for :meth:`sleep`."""
@@ -665,16 +677,20 @@ class LifecycleController:
         """Load ``<model_path>/<component>/*.safetensors`` (or one ``.safetensors`` file with
         ``<component>.<name>`` keys) into the pipeline, all or nothing."""
         stores = self._stores()
-        return await self._update("update_from_disk", lambda: plan_from_disk(
-            stores, model_path, None if target_modules is None else list(target_modules)))
+        return self._stamped(await self._update("update_from_disk", lambda: plan_from_disk(
+            stores, model_path, None if target_modules is None else list(target_modules))))
 
     async def update_weights_from_tensors(
             self, named_tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
             target_module: str = "transformer") -> UpdateResult:
         """Write ``named_tensors`` (names inside ``target_module``) into it, all or nothing."""
         stores = self._stores()
-        return await self._update("update_from_tensors",
-                                  lambda: plan_from_tensors(stores, named_tensors, target_module))
+        return self._stamped(await self._update(
+            "update_from_tensors", lambda: plan_from_tensors(stores, named_tensors, target_module)))
+
+    def _stamped(self, result: _R) -> _R:
+        """``result`` saying which rank answered and how many ranks there are."""
+        return dataclasses.replace(result, rank=self.rank, world_size=self.world_size)
 
     def _stores(self) -> dict[str, Any]:
         return {n: c.strategy.store for n, c in self._uses.components.items()}

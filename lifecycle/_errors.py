@@ -98,6 +98,7 @@ class DrainTimeout(TransitionRejected):
                          f"{held}")
         self.held = held
         self.timeout = timeout
+        self.failed_ranks: dict[int, str] = {}  # several ranks: every rank that timed out
 
 
 class TransitionFailed(LifecycleError):

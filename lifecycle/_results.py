@@ -24,6 +24,8 @@ class OccupationResult:
     bytes_moved: int = 0
     bytes_released: int = 0
     seconds: float = 0.0
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def gbps(self) -> float:
@@ -33,7 +35,8 @@ class OccupationResult:
         """The reference's wire format plus our extra fields."""
         return {"success": self.success, "sleeping": self.sleeping, "message": self.message,
                 "phase": self.phase.value, "bytes_moved": self.bytes_moved,
-                "bytes_released": self.bytes_released, "seconds": self.seconds}
+                "bytes_released": self.bytes_released, "seconds": self.seconds,
+                "rank": self.rank, "world_size": self.world_size}
 
 
 @dataclass(frozen=True)
@@ -49,12 +52,15 @@ class UpdateResult:
     rolled_back: bool = False  # it failed while writing and every tensor was restored
     # Several ranks: rank -> reason for each rank that failed (the same result on every rank).
     failed_ranks: Mapping[int, str] = field(default_factory=lambda: MappingProxyType({}))
+    rank: int = 0
+    world_size: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         return {"success": self.success, "message": self.message, "version": self.version,
                 "updated": list(self.updated), "bytes_written": self.bytes_written,
                 "seconds": self.seconds, "rolled_back": self.rolled_back,
-                "failed_ranks": {str(r): why for r, why in self.failed_ranks.items()}}
+                "failed_ranks": {str(r): why for r, why in self.failed_ranks.items()},
+                "rank": self.rank, "world_size": self.world_size}
 
 
 @dataclass(frozen=True)

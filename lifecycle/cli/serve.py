@@ -42,6 +42,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds a release/update or a shutdown waits for work in flight")
     ap.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="rank processes on this machine (rank 0 serves HTTP); under torchrun "
+                         "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are read instead")
+    ap.add_argument("--collective-timeout", type=float, default=30.0,
+                    help="seconds a collective waits for the other ranks")
 
 
 def load_pipeline(spec: str, size: str) -> tuple[Any, Any, str]:
@@ -60,8 +65,38 @@ def load_pipeline(spec: str, size: str) -> tuple[Any, Any, str]:
     return pipe, generate, spec
 
 
+def _launch(args: argparse.Namespace) -> int:
+    """``--nproc N``: start N rank processes of this same command, forward SIGTERM/SIGINT
+    to rank 0 (which stops the others), and exit 0 when every rank exited 0."""
+    import signal
+    import subprocess
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    procs = []
+    for rank in range(args.nproc):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.nproc),
+               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "lifecycle", *sys.argv[1:]],
+                                      env=env))
+
+    def forward(sig: int, frame: FrameType | None) -> None:
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    codes = [p.wait() for p in procs]
+    return 0 if all(c == 0 for c in codes) else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 2 on bad usage."""
+    if args.nproc > 1 and "RANK" not in os.environ:
+        return _launch(args)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         import uvicorn
 
@@ -72,12 +107,33 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         pipe, generate, described = load_pipeline(args.pipeline, args.size)
+        group = _join_group(args) if world > 1 else None
         ctl = LifecycleController(args.device, residency=args.residency,
-                                  drain_timeout=args.drain_timeout, auto_wake=args.auto_wake)
+                                  drain_timeout=args.drain_timeout, auto_wake=args.auto_wake,
+                                  process_group=group,
+                                  collective_timeout=args.collective_timeout)
     except (ValueError, ImportError, AttributeError) as exc:
         print(f"residency serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(json=args.log_json, level="info")
+    driver = None
+    if world > 1:
+        from lifecycle.http._driver import LocalDriver
+        from lifecycle.http._ranks import OpChannel, RankDriver, follow
+
+        rank = int(os.environ["RANK"])
+        channel = OpChannel(_op_store(args, world), rank, world)
+        local = LocalDriver(ctl, generate)
+        if rank != 0:
+            async def serve_rank() -> None:
+                await ctl.attach(pipe)  # collective: with rank 0's startup
+                await follow(ctl, local, channel)
+
+            import anyio
+
+            anyio.run(serve_rank)
+            return 0
+        driver = RankDriver(local, channel, timeout=args.drain_timeout + 60)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -86,16 +142,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"residency serve: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
+    ranks = f", {world} ranks" if world > 1 else ""
 
     async def startup() -> None:
         await ctl.attach(pipe)
         report = ctl.report()
         print(f"residency serve: http://{args.host}:{port} pipeline {described}, "
               f"{report.device_bytes + report.host_bytes:,} bytes on {ctl.device}, residency "
-              f"{ctl.config.to_string() or 'resident'}; ready", flush=True)
+              f"{ctl.config.to_string() or 'resident'}{ranks}; ready", flush=True)
 
     async def shutdown() -> None:
-        await ctl.aclose()
+        if driver is not None:
+            await driver.stop()  # every rank detaches with this one
+        else:
+            await ctl.aclose()
 
     class Server(uvicorn.Server):
         """uvicorn's server, but a first SIGTERM/SIGINT drains and exits 0 (uvicorn would
@@ -107,8 +167,32 @@ def run(args: argparse.Namespace) -> int:
             self.should_exit = True
 
     app = create_app(ctl, generate=generate, api_key=args.api_key, on_startup=startup,
-                     on_shutdown=shutdown)
+                     on_shutdown=shutdown, driver=driver)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=max(1, int(args.drain_timeout)))
     Server(config).run(sockets=[sock])
     return 0
+
+
+def _join_group(args: argparse.Namespace) -> Any:
+    """Join the ranks' gloo group (torchrun's or ``--nproc``'s environment variables)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://",
+                            timeout=timedelta(seconds=args.collective_timeout))
+    dist.barrier()  # gloo may still be connecting pairs
+    return dist.group.WORLD
+
+
+def _op_store(args: argparse.Namespace, world: int) -> Any:
+    """A client of the group's TCPStore, under a prefix of ours (rank 0's ops, answers)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+        timeout=timedelta(seconds=args.collective_timeout))
+    return dist.PrefixStore("residency-serve", store)  # type: ignore[attr-defined]

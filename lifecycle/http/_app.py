@@ -37,6 +37,7 @@ from .. import (
     AdmissionTimeout,
     ComponentAsleep,
     DrainTimeout,
+    GroupBroken,
     LifecycleController,
     LifecycleError,
     OccupationResult,
@@ -45,6 +46,8 @@ from .. import (
     TransitionRejected,
 )
 from ..metrics import ControllerMetrics
+from ._driver import Driver, Generate, LocalDriver, RanksUnavailable
+from ._ranks import OutputsDisagree
 from ._transport import TransportError, decode_named_tensors
 
 __all__ = ["ROUTES", "Generate", "create_app", "demo_generate"]
@@ -52,8 +55,6 @@ __all__ = ["ROUTES", "Generate", "create_app", "demo_generate"]
 _log = logging.getLogger("lifecycle.http")
 
 MiB = 2**20
-# A pipeline's generation: (controller, request body) -> JSON-able answer.
-Generate = Callable[[LifecycleController, Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
 
 
 class BadRequest(Exception):
@@ -118,11 +119,14 @@ async def _body(request: Request, limit: int) -> dict[str, Any]:
 # -- the app's state ----------------------------------------------------------------------
 @dataclass
 class _Service:
-    ctl: LifecycleController
+    driver: Driver
     metrics: ControllerMetrics
-    generate: Generate | None
     body_limit: int
     upload_limit: int
+
+    @property
+    def ctl(self) -> LifecycleController:
+        return self.driver.ctl
 
 
 def _service(request: Request) -> _Service:
@@ -146,17 +150,22 @@ async def _transition(request: Request, call: Callable[[], Awaitable[OccupationR
         raise _refused(str(exc), 409, sleeping=sleeping) from None
     except TransitionRejected as exc:
         raise _refused(exc.reason, sleeping=sleeping) from None
+    except GroupBroken as exc:
+        raise _refused(str(exc), 503, sleeping=service.ctl.phase is Phase.SLEEPING) from None
+    except RanksUnavailable as exc:
+        raise _refused(str(exc), 503, sleeping=sleeping) from None
     except TransitionFailed as exc:
         raise _refused(str(exc), 500, sleeping=service.ctl.phase is Phase.SLEEPING,
-                       rolled_back=True) from None
+                       rolled_back=True,
+                       failed_ranks={str(r): w for r, w in exc.failed_ranks.items()}) from None
 
 
 async def release(request: Request) -> Response:
-    return await _transition(request, _service(request).ctl.sleep)
+    return await _transition(request, _service(request).driver.sleep)
 
 
 async def resume(request: Request) -> Response:
-    return await _transition(request, _service(request).ctl.wake)
+    return await _transition(request, _service(request).driver.wake)
 
 
 def _update_response(service: _Service, result: Any) -> Response:
@@ -177,6 +186,8 @@ async def _update(service: _Service, call: Callable[[], Awaitable[Any]]) -> Resp
         raise _refused(str(exc), 409) from None
     except TransitionRejected as exc:  # while sleeping
         raise _refused(exc.reason) from None
+    except (GroupBroken, RanksUnavailable) as exc:
+        raise _refused(str(exc), 503) from None
 
 
 async def update_from_disk(request: Request) -> Response:
@@ -185,7 +196,7 @@ async def update_from_disk(request: Request) -> Response:
     path = _field(body, "model_path", "string", required=True)
     targets = _field(body, "target_modules", "list of strings")
     _field(body, "flush_cache", "boolean")  # accepted; nothing to flush in a diffusion server
-    return await _update(service, lambda: service.ctl.update_weights_from_disk(path, targets))
+    return await _update(service, lambda: service.driver.update_from_disk(path, targets))
 
 
 async def update_from_tensor(request: Request) -> Response:
@@ -204,40 +215,46 @@ async def update_from_tensor(request: Request) -> Response:
     except TransportError as exc:
         raise _refused(f"serialized_named_tensors[0]: {exc}") from None
     return await _update(service,
-                         lambda: service.ctl.update_weights_from_tensors(named, targets[0]))
+                         lambda: service.driver.update_from_tensors(named, targets[0]))
 
 
 async def checksum(request: Request) -> Response:
     service = _service(request)
     body = await _body(request, service.body_limit)
     names = _field(body, "module_names", "list of strings")
-    known = list(service.ctl.components)
-    wanted = known if names is None else names
-    sums = await service.ctl.weights_checksum_async([n for n in wanted if n in known])
+    wanted = list(service.ctl.components) if names is None else names
+    try:
+        sums = await service.driver.checksum(wanted)
+    except (GroupBroken, RanksUnavailable) as exc:
+        raise _refused(str(exc), 503) from None
     return JSONResponse({n: sums.get(n, "not_found") for n in wanted})
 
 
 async def generate(request: Request) -> Response:
     service = _service(request)
     body = await _body(request, service.body_limit)
-    if service.generate is None:
+    if not service.driver.can_generate:
         raise _refused("this pipeline has no generate function (see residency serve "
                        "--pipeline MODULE:FACTORY)", 404)
     try:
-        return JSONResponse(dict(await service.generate(service.ctl, body)))
+        return JSONResponse(dict(await service.driver.generate(body)))
     except ComponentAsleep as exc:
         raise _refused(str(exc)) from None
     except AdmissionTimeout as exc:
         raise _refused(str(exc), 503) from None
     except TransitionRejected as exc:  # not initialized
         raise _refused(exc.reason, 503) from None
+    except RanksUnavailable as exc:
+        raise _refused(str(exc), 503) from None
+    except OutputsDisagree as exc:
+        raise _refused(str(exc), 500) from None
 
 
 async def health(request: Request) -> Response:
     # 200 while sleeping too (routers mark a server dead otherwise); 503 without a pipeline.
-    if _service(request).ctl.phase is Phase.UNINITIALIZED:
-        return JSONResponse({"status": "unavailable", "reason": "no pipeline attached"},
-                            status_code=503)
+    reason = _service(request).driver.unavailable()
+    if reason is not None:
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -249,17 +266,10 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def state(request: Request) -> Response:
-    ctl = _service(request).ctl
-    report = ctl.report()
-    return JSONResponse({
-        "phase": ctl.phase.value, "transition": ctl.transition, "in_flight": ctl.in_flight,
-        "weights_version": ctl.weights_version, "device": str(ctl.device),
-        "rank": report.rank, "world_size": report.world_size,
-        "device_bytes": report.device_bytes, "host_bytes": report.host_bytes,
-        "components": {n: {"mode": c.mode, "device_bytes": c.device_bytes,
-                           "host_bytes": c.host_bytes, "pinned_bytes": c.pinned_bytes,
-                           "total_bytes": c.total_bytes}
-                       for n, c in report.components.items()}})
+    try:
+        return JSONResponse(await _service(request).driver.state())
+    except RanksUnavailable as exc:
+        raise _refused(str(exc), 503) from None
 
 
 async def metrics(request: Request) -> Response:
@@ -353,6 +363,7 @@ class _Gatekeeper:
 
 def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
                api_key: str | None = None, metrics: ControllerMetrics | None = None,
+               driver: Driver | None = None,
                body_limit: int = MiB, upload_limit: int = 1024 * MiB,
                on_startup: Callable[[], Awaitable[None]] | None = None,
                on_shutdown: Callable[[], Awaitable[None]] | None = None) -> ASGIApp:
@@ -362,8 +373,10 @@ def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
     path but ``/health*`` and ``/metrics``; ``metrics`` defaults to a fresh
     :class:`~lifecycle.metrics.ControllerMetrics`; ``body_limit`` / ``upload_limit`` bound
     request bodies (the tensor upload gets the larger one). ``on_startup`` / ``on_shutdown``
-    run in the server's lifespan (``residency serve`` attaches and detaches there)."""
-    service = _Service(ctl, metrics or ControllerMetrics(ctl), generate, body_limit, upload_limit)
+    run in the server's lifespan (``residency serve`` attaches and detaches there);
+    ``driver`` replaces the direct calls to ``ctl`` (several ranks: every call on every rank)."""
+    service = _Service(driver or LocalDriver(ctl, generate), metrics or ControllerMetrics(ctl),
+                       body_limit, upload_limit)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -247,3 +247,35 @@ def _solo_group(store: Any) -> Any:
 
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+
+
+def test_a_rank_that_cannot_drain_makes_every_rank_raise_drain_timeout(tmp_path: Path) -> None:
+    """A use held on rank 1 past the drain timeout: every rank raises DrainTimeout naming
+    rank 1, every rank stays awake, and the sleep after the use ended commits everywhere."""
+
+    async def scenario(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+        ctl = LifecycleController(device_layer=FaultyDevice(), drain_timeout=0.3,
+                                  process_group=dist.group.WORLD, collective_timeout=TIMEOUT)
+        await ctl.attach(small_pipeline())
+        raised: dict[str, Any] = {}
+
+        async def hold() -> None:
+            async with ctl.use("vae"):
+                await anyio.sleep(1.0)
+
+        async with anyio.create_task_group() as tg:
+            if rank == 1:
+                tg.start_soon(hold)
+                await anyio.sleep(0.1)
+            try:
+                await ctl.sleep()
+            except Exception as exc:
+                raised = {"type": type(exc).__name__,
+                          "failed": sorted(getattr(exc, "failed_ranks", {}))}
+        phase = ctl.phase.value
+        retry = await ctl.sleep()
+        return raised | {"phase": phase, "retry": retry.success}
+
+    out = run_ranks(scenario, tmp_path)
+    for r in (0, 1):
+        assert out[r] == {"type": "DrainTimeout", "failed": [1], "phase": "awake", "retry": True}
