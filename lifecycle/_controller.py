@@ -354,7 +354,8 @@ class LifecycleController:
                 local = exc
             try:
                 # Several ranks: all commit or none (a no-op vote on one rank).
-                failures = {} if self._section is None and local is None else \
+                # (one rank: no vote, and failed_ranks stays empty)
+                failures = {} if self._section is None else \
                     await self._vote(trigger, local, final=True)
             except BaseException as exc:  # the group broke: this rank rolls back alone
                 local = exc

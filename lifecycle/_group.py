@@ -19,7 +19,7 @@ cannot reuse a failed group) until :meth:`LifecycleController.rebind`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -114,6 +114,3 @@ class Section:
         """Vote (ok when ``error`` is None); returns the failures of every rank."""
         reason = None if error is None else f"{type(error).__name__}: {error}"
         return await self.group.vote(error is None, reason)
-
-    def failures_text(self, failures: Mapping[int, str]) -> str:
-        return "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))

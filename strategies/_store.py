@@ -23,6 +23,7 @@ counter; call :meth:`TensorStore.mark_dirty` after such writes.
 
 from __future__ import annotations
 
+import functools
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -220,12 +221,19 @@ class Fetch:
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+@functools.cache
+def _dtensor_type() -> type | None:
+    """DTensor, imported once, on first need (it pulls in torch.distributed)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    kind = _dtensor_type()
+    return kind is not None and isinstance(t, kind)
 
 
 @dataclass(eq=False)

@@ -128,18 +128,6 @@ def _bench(args: argparse.Namespace) -> int:
                                                            "repeats": args.repeats or 3}))
 
 
-def _serve_doc() -> str | None:
-    from . import serve
-
-    return serve.__doc__
-
-
-def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    from . import serve
-
-    serve.add_arguments(p)
-
-
 def _serve(args: argparse.Namespace) -> int:
     from . import serve
 
@@ -168,9 +156,11 @@ def _parser() -> argparse.ArgumentParser:
                                      "bandwidth limit (default: sleep-wake, then update)")
     b.set_defaults(func=_bench)
     _bench_parsers(b)
+    from . import serve  # only the core's imports: cheap
+
     s = sub.add_parser("serve", help="serve the pipeline's control plane over HTTP",
-                       description=_serve_doc())
-    _serve_arguments(s)
+                       description=serve.__doc__)
+    serve.add_arguments(s)
     s.set_defaults(func=_serve)
     g = sub.add_parser("diagram", help="the lifecycle state machine as Mermaid")
     g.set_defaults(func=_diagram)

@@ -221,3 +221,14 @@ async def test_rolled_back_buffers_are_freed_at_once_not_by_the_garbage_collecto
         assert layer.live_device_bytes == 0
     finally:
         gc.enable()
+
+
+async def test_a_failure_on_one_rank_names_no_failed_ranks() -> None:
+    """Without a process group, TransitionFailed.failed_ranks is empty (it names ranks only
+    when several ranks voted)."""
+    layer = FaultyDevice()
+    ctl, _ = await start([], layer)
+    layer.arm(copy_at=1)
+    with pytest.raises(TransitionFailed) as info:
+        await ctl.sleep()
+    assert info.value.failed_ranks == {}
