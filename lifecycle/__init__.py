@@ -18,11 +18,13 @@ from ._errors import (
 )
 from ._events import configure_logging
 from ._phase import Phase, mermaid
+from ._planner import InfeasibleBudget, ResidencyPlan
 from ._results import (
     ComponentPlacement,
     OccupationResult,
     PlacementReport,
     RankChecksums,
+    ResidencyChange,
     UpdateResult,
 )
 from ._sync import SyncLifecycleController
@@ -36,6 +38,7 @@ __all__ = [
     "DrainTimeout",
     "FSDPInferenceUnsupported",
     "GroupBroken",
+    "InfeasibleBudget",
     "LifecycleController",
     "LifecycleError",
     "OccupationResult",
@@ -43,7 +46,9 @@ __all__ = [
     "PlacementReport",
     "RankChecksums",
     "RanksDisagree",
+    "ResidencyChange",
     "ResidencyError",
+    "ResidencyPlan",
     "StoreError",
     "SyncLifecycleController",
     "TransitionFailed",

@@ -38,6 +38,7 @@ from strategies import (
     ResidencyConfig,
     ResidencyMode,
     ResidencyStrategy,
+    Shape,
     StoreError,
     TensorStore,
     Unit,
@@ -48,12 +49,14 @@ from strategies import (
     is_layerwise_offloaded,
     layerwise_blocks,
     make_device_layer,
+    prepare_regroup,
 )
 
 from . import _events as events
 from ._admission import Admission
 from ._checkpoint import gbps
 from ._errors import (
+    NOT_INITIALIZED,
     ComponentAsleep,
     ComponentNotPlaced,
     DrainTimeout,
@@ -69,11 +72,21 @@ from ._events import get_logger
 from ._group import GroupFailure, RankGroup, Section
 from ._phase import REFUSALS, TRANSITIONS, Phase, Refusal
 from ._pipeline import components_of
+from ._planner import (
+    ComponentSizes,
+    Measurements,
+    ResidencyPlan,
+    Use,
+    declared_uses,
+    make_plan,
+    parse_budget,
+)
 from ._results import (
     ComponentPlacement,
     OccupationResult,
     PlacementReport,
     RankChecksums,
+    ResidencyChange,
     UpdateResult,
 )
 from ._updates import (
@@ -83,7 +96,7 @@ from ._updates import (
     plan_from_disk,
     plan_from_tensors,
 )
-from ._uses import Component, Uses
+from ._uses import Component, UseRecord, Uses
 
 __all__ = ["LifecycleController"]
 
@@ -151,7 +164,9 @@ class LifecycleController:
                  auto_wake: bool = False, prefetch_components: bool = True,
                  progress: Callable[[str, int, int], None] | None = None,
                  device_layer: DeviceLayer | None = None, process_group: Any = None,
-                 collective_timeout: float = 30.0) -> None:
+                 collective_timeout: float = 30.0,
+                 device_budget: int | float | str | None = None,
+                 activation_reserve: int | None = None) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
         # With a process group every transition is collective (see lifecycle._group).
         self._group = None if process_group is None else RankGroup(process_group,
@@ -164,7 +179,19 @@ class LifecycleController:
         self.id = next(_controller_ids)
         self.use_fsdp_inference = use_fsdp_inference
         self.rank = rank
-        self.config = ResidencyConfig.parse(residency)
+        # residency="auto": plan at attach, from sizes alone, under ``device_budget``.
+        self._auto = isinstance(residency, str) and residency.strip().lower() == "auto"
+        if self._auto and device_budget is None:
+            raise ValueError("residency='auto' needs a device_budget (bytes, '20GiB' or '90%')")
+        if device_budget is not None and not self._auto:
+            raise ValueError("device_budget is used with residency='auto' (or pass it to "
+                             "plan()); got residency=" + repr(residency))
+        self.device_budget = device_budget
+        self.activation_reserve = activation_reserve
+        self.config = ResidencyConfig() if self._auto else ResidencyConfig.parse(residency)
+        self.last_plan: ResidencyPlan | None = None  # the plan attach applied (auto)
+        self._measurements: Measurements | None = None
+        self._warmup: Callable[[], Awaitable[object]] | None = None
         # Told (trigger, bytes copied so far, bytes to copy) during sleep and wake.
         self.progress = progress
         self._admission = Admission(drain_timeout, admission_timeout)
@@ -298,7 +325,13 @@ class LifecycleController:
             comps[name] = ComponentPlacement(c.strategy.mode.value, r.device_bytes, r.host_bytes,
                                              r.pinned_bytes, c.strategy.store.nbytes)
         return PlacementReport(self.phase, MappingProxyType(comps), self._layer.memory_allocated(),
-                               self.rank, self.world_size)
+                               self.rank, self.world_size, self._layer.peak_bytes,
+                               self._layer.allocator_peak())
+
+    def reset_peak(self) -> None:
+        """Start ``report().peak_device_bytes`` (and, on CUDA, the allocator's peak) again
+        from the bytes held now."""
+        self._layer.reset_peak()
 
     def _device_bytes(self) -> int:
         return sum(c.strategy.store.device_bytes for c in self._uses.components.values())
@@ -415,6 +448,9 @@ class LifecycleController:
         async with self._lock, self._collective("attach"):
             self._refusal("attach")
             found = components_of(pipeline)
+            if self._auto:
+                self.last_plan = await self._plan_at_attach(found)
+                self.config = self.last_plan.config
             self.config.validate_components(found)
             components, enabled = self._build(found)
             with structlog.contextvars.bound_contextvars(transition="attach",
@@ -524,6 +560,259 @@ class LifecycleController:
                 self._layer.empty_cache()
                 self._summary("detach", source, copied, time.perf_counter() - t0)
             return self.phase
+
+    # -- residency while attached ------------------------------------------------------
+    async def set_residency(self, residency: ResidencyConfig | str | Mapping[str, str]
+                            | list[str] | ResidencyPlan | None, *,
+                            validate: Callable[[], Awaitable[object]] | bool | None = None,
+                            latency_tolerance: float = 0.10) -> ResidencyChange:
+        """Switch components between residency modes and tunings while attached.
+
+        Takes anything :meth:`ResidencyConfig.parse` takes, or a :class:`ResidencyPlan`.
+        Drains uses like any transition, moves only what must move (a component whose mode
+        and tuning stay is not touched; a unit keeping its storages and tier keeps its
+        buffers) and is all-or-nothing: a fault at any allocation or copy, or a cancellation,
+        leaves the old layout exactly as it was. While sleeping it only changes what wake
+        restores (host mirrors are regrouped; nothing goes to the device).
+
+        With a plan made with a warm-up (or ``validate=`` an async request callable), one
+        validation request runs after applying it; if its peak passes the plan's budget, or
+        it takes more than ``latency_tolerance`` longer than predicted, the previous
+        residency is restored and the result says why. ``validate=False`` skips it."""
+        config = residency.config if isinstance(residency, ResidencyPlan) else \
+            ResidencyConfig.parse(residency)
+        previous = self.config
+        async with self._lock, self._collective("set_residency"):
+            change = await self._set_residency(config)
+        if not isinstance(residency, ResidencyPlan) or validate is False:
+            return change
+        request = validate if callable(validate) else residency.warmup or self._warmup
+        if request is None:
+            return change
+        return await self._validate(residency, change, request, previous, latency_tolerance)
+
+    async def _validate(self, plan: ResidencyPlan, change: ResidencyChange,
+                        request: Callable[[], Awaitable[object]], previous: ResidencyConfig,
+                        tolerance: float) -> ResidencyChange:
+        """Run one request under the applied plan; restore ``previous`` if its peak passed
+        the budget or it ran more than ``tolerance`` slower than predicted."""
+        self.reset_peak()
+        t0 = time.perf_counter()
+        await request()
+        seconds = time.perf_counter() - t0
+        peak = self._layer.peak_bytes
+        why = []
+        if peak + plan.activation_reserve > plan.budget_bytes:
+            why.append(f"measured peak {peak} B (+{plan.activation_reserve} B reserve) exceeds "
+                       f"the budget of {plan.budget_bytes} B")
+        if seconds > plan.predicted_seconds * (1 + tolerance) + 1e-4:
+            why.append(f"the request took {seconds * 1e3:.2f} ms, more than {tolerance:.0%} over "
+                       f"the predicted {plan.predicted_seconds * 1e3:.2f} ms")
+        result = dataclasses.replace(
+            change, validated=True, measured_peak_bytes=peak, measured_seconds=seconds,
+            predicted_peak_bytes=plan.predicted_peak_bytes,
+            predicted_seconds=plan.predicted_seconds)
+        if not why:
+            return dataclasses.replace(result, message=result.message + "; validated")
+        await self.set_residency(previous)
+        _log.warning(events.PLAN_ROLLED_BACK, reason="; ".join(why), rank=self.rank,
+                     controller=self.id)
+        return dataclasses.replace(
+            result, success=False, rolled_back=True,
+            message="plan undone, previous residency restored: " + "; ".join(why))
+
+    # -- planning ------------------------------------------------------------------------
+    async def plan(self, device_budget: int | float | str,
+                   warmup: Callable[[], Awaitable[object]] | None = None, *,
+                   uses: Sequence[str | tuple[str, float] | tuple[str, float, int]] | None = None,
+                   activation_reserve: int | None = None,
+                   remeasure: bool = False) -> ResidencyPlan:
+        """Propose the fastest residency whose predicted peak fits ``device_budget`` (bytes,
+        ``"20GiB"``, or ``"90%"`` of the device's free memory; on the CPU, of the pipeline's
+        size). Changes nothing: apply it with :meth:`set_residency`.
+
+        ``warmup``: an async callable running one representative request through this
+        controller (``lambda: pipe.generate(ctl=ctl)``), run once to measure which components
+        a request uses, in what order, how often and for how long; or ``uses``: that order
+        declared (names, or ``(name, seconds[, forwards])``); neither: every component once,
+        in attach order. Measurements are taken once and reused (``remeasure=True`` takes
+        them again), so plans for different budgets are comparable. Raises
+        :class:`InfeasibleBudget` when nothing fits."""
+        t0 = time.perf_counter()
+        if self.phase is Phase.UNINITIALIZED:
+            raise TransitionRejected("plan", self.phase, NOT_INITIALIZED)
+        m = await self._measure(warmup, uses, remeasure)
+        if activation_reserve is not None or self.activation_reserve is not None:
+            reserve = activation_reserve if activation_reserve is not None else \
+                self.activation_reserve
+            m = dataclasses.replace(m, activation_reserve=int(reserve or 0))
+        budget = parse_budget(device_budget, free_bytes=self._free_for_plan(),
+                              pipeline_bytes=m.pipeline_bytes)
+        # The search is pure Python (milliseconds to a fraction of a second): off the loop.
+        plan = await anyio.to_thread.run_sync(
+            functools.partial(make_plan, m, budget, planner_started=t0), limiter=self._threads)
+        return dataclasses.replace(plan, warmup=warmup)
+
+    def _free_for_plan(self) -> int | None:
+        """Device bytes a plan may use: free now plus what the library holds (it can move)."""
+        free = self._layer.free_bytes()
+        return None if free is None else free + self._layer.held_bytes
+
+    async def _measure(self, warmup: Callable[[], Awaitable[object]] | None,
+                       uses: Sequence[str | tuple[str, float] | tuple[str, float, int]] | None,
+                       remeasure: bool) -> Measurements:
+        cached = self._measurements
+        source = "warm-up" if warmup is not None else "declared" if uses is not None else None
+        if cached is not None and not remeasure and (source is None or source == cached.source) \
+                and uses is None:
+            return cached
+        components = list(self._uses.components.items())
+        async with self._lock:  # no move while the inventories are taken (in a worker thread)
+            sizes = await anyio.to_thread.run_sync(lambda: tuple(
+                ComponentSizes.of(n, c.module, c.strategy.store, c.fsdp) for n, c in components),
+                limiter=self._threads)
+        bandwidth, latency = await self._measure_link(sizes)
+        reserve, other = 0, 0.0
+        if warmup is not None:
+            trace, other, reserve = await self._record(warmup)
+            self._warmup = warmup
+        elif uses is not None:
+            trace = declared_uses(uses, self._uses.components)
+        else:
+            trace = tuple(Use(n) for n in self._uses.components)
+        m = Measurements(sizes, trace, bandwidth, other, reserve,
+                         source or "sizes (each component once, in attach order)", latency,
+                         self._layer.copies_overlap_compute)
+        self._measurements = m
+        return m
+
+    async def _measure_link(self, sizes: Sequence[ComponentSizes]) -> tuple[float, float]:
+        """The link's rate and per-copy seconds, measured with copies the size of the
+        pipeline's typical move (its largest layer, else its largest component; 1 MiB to
+        256 MiB): allocators behave differently at different sizes."""
+        typical = max((max(s.layers) if s.layers else s.whole for s in sizes), default=2**20)
+        nbytes = min(max(typical, 2**20), 256 * 2**20)
+        return await anyio.to_thread.run_sync(self._layer.measure_link, nbytes,
+                                              limiter=self._threads)
+
+    async def _record(self, warmup: Callable[[], Awaitable[object]]
+                      ) -> tuple[tuple[Use, ...], float, int]:
+        """Run ``warmup`` once, recording every use; returns the uses, the seconds outside
+        any use, and the activation bytes seen on the device (CUDA; 0 on the CPU)."""
+        records: list[UseRecord] = []
+        counts = self._uses.forwards
+        handles = []
+        for name, c in self._uses.components.items():
+            counts[name] = 0
+
+            def count(module: nn.Module, args: Any, name: str = name) -> None:
+                counts[name] += 1
+            handles.append(c.module.register_forward_pre_hook(count))
+        self.reset_peak()
+        self._uses.recorder = records
+        t0 = time.perf_counter()
+        try:
+            await warmup()
+        finally:
+            total = time.perf_counter() - t0
+            self._uses.recorder = None
+            for h in handles:
+                h.remove()
+        allocator = self._layer.allocator_peak()
+        reserve = 0 if allocator is None else max(0, allocator - self._layer.peak_bytes)
+        trace: list[Use] = []
+        for k, r in enumerate(records):
+            prev = records[k - 1] if k else None
+            prefetched = bool(
+                prev is not None and self._uses.prefetch_components and r.request is not None
+                and prev.request == r.request and prev.name != r.name
+                and prev.name in r.order and r.name in r.order
+                and r.order.index(r.name) == r.order.index(prev.name) + 1)
+            trace.append(Use(r.name, max(1, r.forwards), r.seconds, prefetched,
+                             prev.seconds if prev is not None else 0.0))
+        other = max(0.0, total - sum(r.seconds + r.placing_seconds for r in records))
+        return tuple(trace), other, reserve
+
+    async def _plan_at_attach(self, found: Mapping[str, nn.Module]) -> ResidencyPlan:
+        """residency='auto': a plan from sizes alone (each component used once per request,
+        in attach order), before anything is placed."""
+        t0 = time.perf_counter()
+        assert self.device_budget is not None
+        sizes = tuple(ComponentSizes.of(n, m, TensorStore(n, m, self._layer),
+                                        is_fsdp_managed(m)) for n, m in found.items())
+        bandwidth, latency = await self._measure_link(sizes)
+        m = Measurements(sizes, tuple(Use(n) for n in found), bandwidth, 0.0,
+                         int(self.activation_reserve or 0),
+                         "sizes (each component once, in attach order)", latency,
+                         self._layer.copies_overlap_compute)
+        budget = parse_budget(self.device_budget, free_bytes=self._free_for_plan(),
+                              pipeline_bytes=m.pipeline_bytes)
+        plan = await anyio.to_thread.run_sync(
+            functools.partial(make_plan, m, budget, planner_started=t0), limiter=self._threads)
+        _log.info(events.PLAN_APPLIED, config=plan.config.to_string(), budget=budget,
+                  predicted_peak=plan.predicted_peak_bytes, rank=self.rank, controller=self.id)
+        return plan
+
+    async def _set_residency(self, config: ResidencyConfig) -> ResidencyChange:
+        if self.phase is Phase.UNINITIALIZED:
+            raise TransitionRejected("set_residency", self.phase, NOT_INITIALIZED)
+        components = self._uses.components
+        config.validate_components(components)
+        wanted: dict[str, Shape] = {}
+        for name, c in components.items():
+            shape = Shape.wanted(name, c.module, config)
+            if shape != Shape.of(c.strategy):
+                if c.fsdp:
+                    raise ComponentResidencyError(
+                        f"Component {name!r} is FSDP-managed: FSDP owns its placement, so its "
+                        f"residency stays {c.strategy.mode.value}")
+                wanted[name] = shape
+        t0 = time.perf_counter()
+        changed = {n: (components[n].strategy.mode.value, s.mode.value) for n, s in wanted.items()}
+        source = self.phase
+
+        async def prepare(moves: list[PreparedMove]) -> None:
+            for name, shape in wanted.items():
+                moves.append(await self._prepare_shape(components[name], shape))
+
+        with structlog.contextvars.bound_contextvars(transition="set_residency",
+                                                     transition_id=next(_ids)):
+            async with self._gate("set_residency"):
+                self._resync_structure("set_residency")
+                self._transition = "set_residency"
+                try:
+                    copied = await self._transact("set_residency", prepare)
+                finally:
+                    self._transition = None
+            self.config = config
+            self._layer.empty_cache()
+            seconds = time.perf_counter() - t0
+            self._summary("set_residency", source, copied, seconds)
+        return ResidencyChange(True, f"residency set: {config.to_string() or 'all resident'}"
+                               + (f"; changed {changed}" if changed else "; nothing changed"),
+                               config.to_string(), MappingProxyType(changed), copied, seconds)
+
+    async def _prepare_shape(self, c: Component, shape: Shape) -> PreparedMove:
+        """Prepare ``c``'s move to ``shape``: a new store over the old one's storages, placed
+        as the phase wants; the strategies are swapped at commit."""
+        old = c.strategy.store
+        new = shape.store(c.name, c.module, self._layer, layout=old)
+        on_device = shape.awake_units(new) if self.phase is Phase.AWAKE else []
+        move = await prepare_regroup(old, new, on_device)
+
+        def swap() -> None:
+            c.strategy.close()
+            strategy = shape.strategy(c.name, new)
+            strategy.forward_check = functools.partial(self._check_forward, c.name)
+            c.strategy = strategy
+            if shape.mode is ResidencyMode.LAYERWISE_OFFLOAD:
+                if c.module not in self._enabled:
+                    self._enabled.append(c.module)
+            elif c.module in self._enabled:
+                self._enabled.remove(c.module)
+
+        move.on_commit = swap
+        return move
 
     # -- sleep / wake ------------------------------------------------------------------
     async def sleep(self) -> OccupationResult:

@@ -10,7 +10,8 @@ from typing import Any
 from ._checkpoint import gbps
 from ._phase import Phase
 
-__all__ = ["ComponentPlacement", "OccupationResult", "PlacementReport", "UpdateResult"]
+__all__ = ["ComponentPlacement", "OccupationResult", "PlacementReport", "ResidencyChange",
+           "UpdateResult"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,11 @@ class PlacementReport:
     device_allocated: int | None = None  # the allocator's own count (CUDA), None on CPU
     rank: int = 0
     world_size: int = 1
+    # High-water mark of device bytes the library held (copies in flight included) since
+    # attach or ``reset_peak()``; on CUDA also the allocator's own (``max_memory_allocated``).
+    # History, not placement: two reports of the same placement compare equal without them.
+    peak_device_bytes: int = field(default=0, compare=False)
+    allocator_peak_bytes: int | None = field(default=None, compare=False)
 
     @property
     def device_bytes(self) -> int:
@@ -124,3 +130,32 @@ class RankChecksums:
     @property
     def agree(self) -> bool:
         return not self.disagreeing()
+
+
+@dataclass(frozen=True)
+class ResidencyChange:
+    """What :meth:`LifecycleController.set_residency` did: which components changed mode
+    (``{name: (old, new)}``), the bytes copied, and, when validated with a request, the
+    measured peak and latency against the prediction (and why it was undone, if it was)."""
+
+    success: bool
+    message: str
+    config: str
+    changed: Mapping[str, tuple[str, str]] = field(default_factory=lambda: MappingProxyType({}))
+    bytes_copied: int = 0
+    seconds: float = 0.0
+    validated: bool = False
+    measured_peak_bytes: int | None = None
+    measured_seconds: float | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_seconds: float | None = None
+    rolled_back: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"success": self.success, "message": self.message, "config": self.config,
+                "changed": {n: list(v) for n, v in self.changed.items()},
+                "bytes_copied": self.bytes_copied, "seconds": self.seconds,
+                "validated": self.validated, "measured_peak_bytes": self.measured_peak_bytes,
+                "measured_seconds": self.measured_seconds,
+                "predicted_peak_bytes": self.predicted_peak_bytes,
+                "predicted_seconds": self.predicted_seconds, "rolled_back": self.rolled_back}

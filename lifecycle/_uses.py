@@ -10,6 +10,7 @@ until its ``use()`` commits the move, so dropping an unused prefetch only frees 
 from __future__ import annotations
 
 import contextvars
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from ._errors import NOT_INITIALIZED, ComponentAsleep, TransitionRejected, failu
 from ._events import get_logger
 from ._phase import Phase
 
-__all__ = ["Component", "Uses"]
+__all__ = ["Component", "UseRecord", "Uses"]
 
 _log = get_logger("lifecycle")
 
@@ -63,6 +64,20 @@ class Component:
     prefetch: _Prefetch | None = None
 
 
+@dataclass(frozen=True)
+class UseRecord:
+    """One use seen while recording (the planner's warm-up): the component, the root
+    forwards it ran, the seconds of its body (the use's own time, layer-copy stalls taken
+    out), the seconds spent bringing it in and out, and the request it ran in."""
+
+    name: str
+    forwards: int
+    seconds: float
+    placing_seconds: float
+    request: int | None  # id of the request, if in one
+    order: tuple[str, ...] = ()  # that request's declared order
+
+
 @dataclass(eq=False)
 class _Request:
     order: tuple[str, ...]
@@ -70,6 +85,11 @@ class _Request:
     lease: int
     position: int = -1
     started: set[str] = field(default_factory=set)
+
+
+def _stalled(c: Component) -> float:
+    """Seconds ``c``'s forwards have waited for layer copies (layerwise offload), so far."""
+    return float(getattr(c.strategy, "stalled", 0.0))
 
 
 class Uses:
@@ -90,6 +110,9 @@ class Uses:
         # so a use of another controller inside our request is none of our business.
         self._request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
             f"residency_request_{id(self):x}", default=None)
+        # Set by the planner's warm-up: every use is recorded here (see UseRecord).
+        self.recorder: list[UseRecord] | None = None
+        self.forwards: dict[str, int] = {}  # root forwards per component while recording
 
     def component(self, name: str) -> Component:
         try:
@@ -104,14 +127,24 @@ class Uses:
         await self._admit(name)
         c = self.component(name)
         lease = self.admission.take(name)
+        t0 = time.perf_counter()
         try:
             await self._acquire(c)
             try:
                 self._prefetch_next(name)
+                t1, stalled, forwards = time.perf_counter(), _stalled(c), self.forwards.get(name, 0)
                 yield c.module
+                t2 = time.perf_counter()
             finally:
                 with anyio.CancelScope(shield=True):
                     await self._release(c)
+            if self.recorder is not None:
+                req = self._request.get()
+                self.recorder.append(UseRecord(
+                    name, self.forwards.get(name, 0) - forwards,
+                    max(0.0, t2 - t1 - (_stalled(c) - stalled)),
+                    (t1 - t0) + (time.perf_counter() - t2) + (_stalled(c) - stalled),
+                    None if req is None else id(req), () if req is None else req.order))
         finally:
             self.admission.give(lease)
 

@@ -19,10 +19,11 @@ from ._device import (
     resolve_device,
 )
 from ._errors import ResidencyError
-from ._factory import ComponentResidencyError, build_strategy, is_fsdp_managed
+from ._factory import ComponentResidencyError, Shape, build_strategy, is_fsdp_managed
 from ._guard import ComputeGuard
 from ._layerwise import (
     LayerwiseOffloadStrategy,
+    check_block_lists,
     detect_block_lists,
     disable_layerwise_offload,
     enable_layerwise_offload,
@@ -30,6 +31,7 @@ from ._layerwise import (
     layerwise_blocks,
 )
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
+from ._regroup import RegroupMove, prepare_regroup
 from ._resident import ResidentStrategy
 from ._store import Move, PreparedMove, StoreError, StoreReport, TensorStore, Unit
 from ._write import WriteMove, WriteSource
@@ -49,11 +51,13 @@ __all__ = [
     "LayerwiseTuning",
     "Move",
     "PreparedMove",
+    "RegroupMove",
     "ResidencyConfig",
     "ResidencyError",
     "ResidencyMode",
     "ResidencyStrategy",
     "ResidentStrategy",
+    "Shape",
     "SnapshotOffloadStrategy",
     "StoreError",
     "StoreReport",
@@ -62,6 +66,7 @@ __all__ = [
     "WriteMove",
     "WriteSource",
     "build_strategy",
+    "check_block_lists",
     "detect_block_lists",
     "disable_layerwise_offload",
     "enable_layerwise_offload",
@@ -70,5 +75,6 @@ __all__ = [
     "is_layerwise_offloaded",
     "layerwise_blocks",
     "make_device_layer",
+    "prepare_regroup",
     "resolve_device",
 ]

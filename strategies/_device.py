@@ -16,6 +16,8 @@ layer can fail the k-th one (see ``lifecycle.testing``).
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal, Protocol
@@ -94,6 +96,9 @@ class DeviceLayer:
 
     device: torch.device
     pinned: bool = False
+    # Whether copies run beside compute (CUDA: copy engines) or take the same cores (the CPU
+    # stand-in): the planner hides copies behind compute only when they do.
+    copies_overlap_compute: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -101,6 +106,14 @@ class DeviceLayer:
         self.copies = 0
         self.allocations = 0
         self.host_allocations = 0
+        # Device bytes held by the library: every device buffer this layer allocated and
+        # every adopted storage, counted from birth until the storage is really freed (a
+        # finalizer on the storage object, which torch keeps unique per storage), so copies in
+        # flight and buffers kept alive by stray references count too.
+        self._held_lock = threading.Lock()
+        self._held: dict[int, int] = {}  # id(storage) -> bytes, while it lives
+        self.held_bytes = 0
+        self.peak_bytes = 0
 
     # -- allocation ----------------------------------------------------------------
     def alloc(self, nbytes: int, tier: Tier, *, pinned: bool | None = None) -> torch.Tensor:
@@ -111,7 +124,70 @@ class DeviceLayer:
             self.host_allocations += tier == "host"
         # Never an inference tensor, even when called from a hook under inference_mode.
         with torch.inference_mode(False):
-            return self._alloc(nbytes, tier, self.pinned if pinned is None else pinned)
+            buf = self._alloc(nbytes, tier, self.pinned if pinned is None else pinned)
+        if tier == "device":
+            self.track(buf)
+        return buf
+
+    # -- peak tracking ---------------------------------------------------------------
+    def track(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage as held on the device until it is freed (once per
+        storage; host tensors and storages already counted are ignored)."""
+        if tensor.device != self.device:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        with self._held_lock:
+            if key in self._held:
+                return
+            nbytes = int(storage.nbytes())
+            self._held[key] = nbytes
+            self.held_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        weakref.finalize(storage, self._untrack, key)
+
+    def _untrack(self, key: int) -> None:
+        with self._held_lock:
+            self.held_bytes -= self._held.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the bytes held now (and the allocator's own)."""
+        with self._held_lock:
+            self.peak_bytes = self.held_bytes
+
+    def allocator_peak(self) -> int | None:
+        """The allocator's own high-water mark (CUDA ``max_memory_allocated``); None on CPU."""
+        return None
+
+    def measure_link(self, nbytes: int = 8 * 2**20, repeats: int = 5) -> tuple[float, float]:
+        """``(bytes per second, seconds per copy)`` of host-to-device copies as moves do
+        them: a fresh device buffer each time, the copy started on the layer's copy path
+        and waited for. The per-copy seconds come from 4 KiB copies (median), the rate from
+        ``nbytes`` copies (the best: a stream's steady state) less that. Nothing is counted
+        (allocations, copies) or tracked as held. Blocking: call it from a worker thread."""
+        host = self._alloc(nbytes, "host", self.pinned)
+        small = []
+        for _ in range(repeats):
+            dev = self._alloc(4096, "device", False)
+            small.append(self._timed_copy(dev, host[:4096]))
+        # As a layer stream allocates: a fresh buffer per copy, the last two kept alive.
+        big: list[float] = []
+        window: list[torch.Tensor] = []
+        for _ in range(repeats + 2):
+            dev = self._alloc(nbytes, "device", False)
+            big.append(self._timed_copy(dev, host))
+            window = [*window[-1:], dev]
+        del window
+        # The best copy: the allocator's steady state (a stream re-uses the blocks it
+        # frees); the median small copy: the fixed cost every copy pays.
+        latency = sorted(small)[len(small) // 2]
+        rest = max(min(big) - latency, 1e-9)
+        return nbytes / rest, latency
+
+    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
 
     def _alloc(self, nbytes: int, tier: Tier, pinned: bool) -> torch.Tensor:
         if tier == "device":
@@ -179,6 +255,14 @@ class CpuDevice(DeviceLayer):
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="residency-copy")
         return _FutureHandle(self._copier.submit(self._copy_batch, list(pairs)))
 
+    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor) -> float:
+        # Like a layer fetch: handed to the copier thread and waited for.
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="residency-copy")
+        t0 = time.perf_counter()
+        self._copier.submit(dst.copy_, src).result()
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         copier, self._copier = self._copier, None
         if copier is not None:
@@ -194,6 +278,7 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
     """Pinned host tier, a copy stream per direction, events waited on in a worker thread."""
 
     pinned = True
+    copies_overlap_compute = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -247,6 +332,29 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
 
     def memory_allocated(self) -> int | None:
         return int(torch.cuda.memory_allocated(self.device))
+
+    def allocator_peak(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def measure_link(self, nbytes: int = 256 * 2**20, repeats: int = 5) -> tuple[float, float]:
+        with torch.cuda.device(self.device):
+            return super().measure_link(nbytes, repeats)
+
+    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor) -> float:
+        # On the copy stream, as moves run; events time the copy itself.
+        stream = self._streams["device"]
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        end.synchronize()  # the host waits: the buffers are freed when this returns
+        return float(start.elapsed_time(end)) / 1e3
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def free_bytes(self) -> int | None:
         free, _ = torch.cuda.mem_get_info(self.device)

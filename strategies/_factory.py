@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
 from ._base import ResidencyStrategy
-from ._config import ResidencyConfig, ResidencyMode
+from ._config import LayerwiseTuning, ResidencyConfig, ResidencyMode
 from ._device import CpuDevice, DeviceLayer
 from ._errors import ResidencyError
-from ._layerwise import LayerwiseOffloadStrategy, is_layerwise_offloaded, layer_keys
+from ._layerwise import (
+    LayerwiseOffloadStrategy,
+    check_block_lists,
+    disable_layerwise_offload,
+    enable_layerwise_offload,
+    is_layerwise_offloaded,
+    layer_keys,
+    layerwise_blocks,
+)
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._resident import ResidentStrategy
-from ._store import TensorStore
+from ._store import TensorStore, Unit
 
-__all__ = ["ComponentResidencyError", "build_strategy", "is_fsdp_managed"]
+__all__ = ["ComponentResidencyError", "Shape", "build_strategy", "is_fsdp_managed"]
 
 
 class ComponentResidencyError(ResidencyError, ValueError):
@@ -59,6 +69,64 @@ def build_strategy(name: str, module: nn.Module, config: ResidencyConfig,
     store = TensorStore(name, module, store_layer, whole=mode is not ResidencyMode.RESIDENT,
                         refuse_dtensors=not is_fsdp_managed(module))
     return _STRATEGIES[mode](name, store)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a residency decides about one component's placement: the mode, and for
+    layerwise offload the block lists and their tuning. Equal shapes place equally."""
+
+    mode: ResidencyMode
+    lists: tuple[str, ...] = ()
+    tuning: LayerwiseTuning | None = None
+
+    @classmethod
+    def of(cls, strategy: ResidencyStrategy) -> Shape:
+        if isinstance(strategy, LayerwiseOffloadStrategy):
+            return cls(strategy.mode, layerwise_blocks(strategy.store.module), strategy.tuning)
+        return cls(strategy.mode)
+
+    @classmethod
+    def wanted(cls, name: str, module: nn.Module, config: ResidencyConfig) -> Shape:
+        """The shape ``config`` asks for ``name``; refuses what cannot work (layerwise
+        without block lists, any change of an FSDP-managed component)."""
+        mode = config.mode_for(name)
+        if mode is not ResidencyMode.LAYERWISE_OFFLOAD:
+            return cls(mode)
+        lists = config.layers_for(name) or layerwise_blocks(module) or None
+        try:
+            found = check_block_lists(module, lists)  # marks the module only at commit
+        except ValueError as exc:
+            raise ComponentResidencyError(f"Component {name!r}: {exc}") from None
+        return cls(mode, found, config.layerwise_tuning_for(name))
+
+    def store(self, name: str, module: nn.Module, layer: DeviceLayer,
+              layout: TensorStore | None = None) -> TensorStore:
+        """An (unplaced) store grouped for this shape."""
+        if self.mode is ResidencyMode.LAYERWISE_OFFLOAD:
+            return TensorStore(name, module, layer, [k for k, _ in layer_keys(module, self.lists)],
+                               layout=layout)
+        return TensorStore(name, module, layer, whole=self.mode is not ResidencyMode.RESIDENT,
+                           refuse_dtensors=not is_fsdp_managed(module), layout=layout)
+
+    def strategy(self, name: str, store: TensorStore) -> ResidencyStrategy:
+        """The strategy over ``store`` (installs layerwise hooks and marks the module)."""
+        if self.mode is ResidencyMode.LAYERWISE_OFFLOAD:
+            assert self.tuning is not None
+            enable_layerwise_offload(store.module, self.lists)
+            return LayerwiseOffloadStrategy(name, store, self.tuning,
+                                            layer_keys(store.module, self.lists))
+        disable_layerwise_offload(store.module)
+        return _STRATEGIES[self.mode](name, store)
+
+    def awake_units(self, store: TensorStore) -> list[Unit]:
+        """The units of ``store`` (grouped for this shape) on the device while awake."""
+        if self.mode is ResidencyMode.RESIDENT:
+            return list(store.units)
+        if self.mode is ResidencyMode.LAYERWISE_OFFLOAD:
+            keys = set(store.layer_keys)
+            return [u for u in store.units if u.key not in keys]
+        return []
 
 
 _STRATEGIES: dict[ResidencyMode, type[ResidencyStrategy]] = {

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -103,6 +104,15 @@ def enable_layerwise_offload(module: nn.Module, layers: Sequence[str] | None = N
     or ``nn.Sequential`` children) stream layer by layer, all of them as one sequence of
     layers. ``None`` streams every list of repeated blocks :func:`detect_block_lists` finds
     (Flux and HunyuanVideo have two). Returns the block-list names."""
+    names = check_block_lists(module, layers)
+    setattr(module, _ATTR, names)
+    return names
+
+
+def check_block_lists(module: nn.Module, layers: Sequence[str] | None = None
+                      ) -> tuple[str, ...]:
+    """The block lists :func:`enable_layerwise_offload` would stream (ValueError when it
+    would refuse), without marking the module."""
     lists = _block_lists(module)
     if layers is None:
         names = detect_block_lists(module)
@@ -124,7 +134,6 @@ def enable_layerwise_offload(module: nn.Module, layers: Sequence[str] | None = N
             raise ValueError(f"block lists {nested} are nested inside other listed block lists")
         if len(set(names)) != len(names):
             raise ValueError(f"block lists {list(names)} name a list twice")
-    setattr(module, _ATTR, names)
     return names
 
 
@@ -144,10 +153,12 @@ def layerwise_blocks(module: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(module, _ATTR, ()))
 
 
-def layer_keys(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``("blocks.3", block)`` for every layer of every recorded block list, in order."""
+def layer_keys(module: nn.Module, lists: Sequence[str] | None = None
+               ) -> list[tuple[str, nn.Module]]:
+    """``("blocks.3", block)`` for every layer of every block list (``lists``, default the
+    recorded ones), in order."""
     out: list[tuple[str, nn.Module]] = []
-    for name in layerwise_blocks(module):
+    for name in layerwise_blocks(module) if lists is None else lists:
         out += [(f"{name}.{i}", block) for i, block in
                 enumerate(module.get_submodule(name).children())]
     return out
@@ -187,6 +198,7 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
         self._thread = _ThreadState()
         self._pinned = False  # resident layers held in for a use
         self.fetched = 0  # layer copies started (fetches and prefetches)
+        self.stalled = 0.0  # seconds forwards waited for layers to come in (the planner's)
         # Definition order until a whole root pass has been seen; then the order they ran.
         self.order: list[int] = list(range(n))
         self._learned: list[int] | None = None
@@ -253,11 +265,14 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
                     self._next[state.last] = i
                 state.last = i
                 self._running[i] = self._running.get(i, 0) + 1
+                t0 = time.perf_counter()
                 try:
                     self._bring_in(i)
                 except BaseException:
                     self._leave(i)
                     raise
+                finally:
+                    self.stalled += time.perf_counter() - t0
                 state.entered.append(i)
                 window = self._window(i, include_start=False)
                 self._evict_except(set(window) | {i})

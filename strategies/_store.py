@@ -280,7 +280,7 @@ class _Derived:
         placed = all(u.where == "device" for u in self.sources)
         return value.nbytes if placed and isinstance(value, torch.Tensor) else 0
 
-    def refresh(self, placed: bool) -> None:
+    def refresh(self, placed: bool, track: Callable[[torch.Tensor], None] | None = None) -> None:
         current = getattr(self.module, self.name, None)
         dtype = current.dtype if isinstance(current, torch.Tensor) else torch.float32
         with torch.no_grad():
@@ -291,6 +291,8 @@ class _Derived:
             else:
                 value = self.hook.compute_weight(self.module)
         setattr(self.module, self.name, value)
+        if placed and track is not None:
+            track(value)
 
 
 def _derived_of(module: nn.Module) -> list[_Derived]:
@@ -308,8 +310,13 @@ class TensorStore:
 
     def __init__(self, name: str, module: nn.Module, layer: DeviceLayer,
                  layers: Sequence[str] = (), *, whole: bool = False,
-                 refuse_dtensors: bool = True) -> None:
+                 refuse_dtensors: bool = True, layout: TensorStore | None = None) -> None:
         self.name = name
+        # ``layout``: another store of the same module whose storages (which tensors share
+        # storage, each storage's size) are taken over instead of those the tensors point
+        # into now: after a whole-component or per-layer move every tensor views one flat
+        # buffer, and a new grouping must still see the storages the module came with.
+        self._layout = layout
         self.module = module
         self.layer = layer
         self.layer_keys = tuple(layers)
@@ -322,6 +329,7 @@ class TensorStore:
         self.units: list[Unit] = []
         self.by_key: dict[str, Unit] = {}
         self._inventory()
+        self._layout = None  # taken over: do not keep the other store (and its buffers) alive
 
     def add_pending(self, nbytes: int) -> None:
         """Count device bytes allocated for a move in flight (negative: no longer)."""
@@ -386,7 +394,9 @@ class TensorStore:
             if r.kind == "buffer":
                 self._buffers_of.setdefault(id(r.owner), []).append(slots[id(t)])
         storages: dict[tuple[str, int], _Storage] = {}
-        for slot in slots.values():
+        if self._layout is not None:
+            storages = self._storages_from(self._layout, slots)
+        for slot in (slots.values() if self._layout is None else ()):
             st = slot.tensor.untyped_storage()
             key = (str(slot.tensor.device), st.data_ptr())
             if key not in storages:
@@ -404,13 +414,53 @@ class TensorStore:
         self.by_key = {u.key: u for u in self.units}
         self._by_name: dict[str, tuple[_Slot, Unit]] | None = None
         self._all_slots = [slot for u in self.units for slot in u.slot_list]
+        self._unit_of_storage = {id(st): u for u in self.units for st in u.storages}
         for u in self.units:
             on_device = all(s.tensor.device == self.layer.device for s in u.slot_list)
             u.where = "device" if on_device else "host"
             for slot in u.slot_list:
                 slot.record()
+                if self._layout is None and u.where == "device":
+                    # The module's own device storages (attach, rescan) count as held. A
+                    # regrouped store's are the old store's buffers, counted already (and on
+                    # the CPU a host mirror is a "cpu" tensor too: never count it).
+                    self.layer.track(slot.tensor)
         self._inventory_derived(slots)
         self.fsdp_bytes = sum(fsdp_owned.values())
+
+    def _storages_from(self, layout: TensorStore, slots: dict[int, _Slot]
+                       ) -> dict[tuple[str, int], _Storage]:
+        """``layout``'s storages over this inventory's slots (same tensors, same offsets)."""
+        old = {id(s.tensor): s for u in layout.units for s in u.slot_list}
+        if old.keys() != slots.keys():
+            raise StoreError(f"component {self.name!r} changed structure since it was "
+                             "attached (tensors replaced, added or removed); cannot regroup it")
+        out: dict[tuple[str, int], _Storage] = {}
+        for i, st in enumerate(layout.storages()):
+            new_slots = []
+            for s in st.slots:
+                slot = slots[id(s.tensor)]
+                slot.byte_offset = s.byte_offset
+                new_slots.append(slot)
+            out[("layout", i)] = _Storage(st.nbytes, new_slots)
+        return out
+
+    def storages(self) -> list[_Storage]:
+        """Every storage, in unit order."""
+        return [st for u in self.units for st in u.storages]
+
+    def locate(self, st: _Storage) -> tuple[Unit, torch.Tensor | None, torch.Tensor | None]:
+        """Where storage ``st``'s bytes are now: its unit, a device view and a host view of
+        exactly its bytes (``None`` where it has none; the host view only if the mirror is
+        current, i.e. equal to the device bytes or the live copy itself)."""
+        unit = self._unit_of_storage[id(st)]
+        device = host = None
+        if unit.where == "device":
+            device = (unit.device_buf[st.offset:st.offset + st.nbytes]
+                      if unit.device_buf is not None else st.source_bytes())
+        if unit.host is not None and (unit.where == "host" or not unit.dirty()):
+            host = unit.host[st.offset:st.offset + st.nbytes]
+        return unit, device, host
 
     def _inventory_derived(self, slots: dict[int, _Slot]) -> None:
         """Attach each recomputed attribute to the units holding its module's parameters."""
@@ -435,7 +485,7 @@ class TensorStore:
         moved = {id(u) for u in units}
         for d in self.derived:
             if any(id(u) in moved for u in d.sources):
-                d.refresh(all(u.where == "device" for u in d.sources))
+                d.refresh(all(u.where == "device" for u in d.sources), self.layer.track)
 
     def _check_tensor(self, name: str, t: torch.Tensor, kind: str) -> None:
         what = "tensor" if kind != "attribute" else "tensor attribute (neither parameter nor buffer)"

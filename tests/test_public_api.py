@@ -22,7 +22,7 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
         "AdmissionTimeout", "ComponentAsleep", "ComponentNotPlaced", "ComponentPlacement",
         "ComponentResidencyError", "DrainTimeout", "FSDPInferenceUnsupported", "GroupBroken",
         "LifecycleController", "LifecycleError", "OccupationResult", "Phase", "PlacementReport",
-        "RankChecksums", "RanksDisagree",
+        "RankChecksums", "RanksDisagree", "ResidencyChange", "ResidencyPlan", "InfeasibleBudget",
         "ResidencyError", "StoreError", "SyncLifecycleController", "TransitionFailed",
         "TransitionRejected", "UpdateResult", "WeightUpdateWhileSleeping", "configure_logging",
         "mermaid"}
@@ -32,14 +32,16 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
 # helpers: users choosing or preparing a module's placement. Device layers and CopyHandle:
 # who brings another device. TensorStore, Unit, Move, PreparedMove, WriteMove, WriteSource,
 # StoreReport, ComputeGuard: the types of the strategy protocol, for who writes a strategy
-# (and for lifecycle, which may import nothing else).
+# (and for lifecycle, which may import nothing else). Shape, RegroupMove, prepare_regroup,
+# check_block_lists: changing a component's residency while attached, and sizing the options.
 STRATEGIES_API = {
     "DIT_GROUP", "RESIDENCY_POLICIES", "VAE_GROUP", "LayerwiseTuning", "ResidencyConfig",
     "ResidencyMode", "group_of",
     "ResidencyStrategy", "ResidentStrategy", "ComponentOffloadStrategy", "SnapshotOffloadStrategy",
     "LayerwiseOffloadStrategy", "build_strategy", "is_fsdp_managed",
     "enable_layerwise_offload", "disable_layerwise_offload", "is_layerwise_offloaded",
-    "layerwise_blocks", "detect_block_lists",
+    "layerwise_blocks", "detect_block_lists", "check_block_lists",
+    "Shape", "RegroupMove", "prepare_regroup",
     "DeviceLayer", "CpuDevice", "CudaDevice", "CopyHandle", "make_device_layer", "resolve_device",
     "TensorStore", "Unit", "Move", "PreparedMove", "WriteMove", "WriteSource", "StoreReport",
     "ComputeGuard",

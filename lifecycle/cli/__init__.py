@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from lifecycle import configure_logging, mermaid
+from lifecycle import InfeasibleBudget, configure_logging, mermaid
 from lifecycle.demo import parse_size
 
 from .drills import DrillReport, ScenarioError, StepOutcome, default_scenario, load_scenario, run_drill
@@ -91,8 +91,8 @@ def _drill(args: argparse.Namespace) -> int:
         try:
             report = anyio.run(lambda: run_drill(scenario, device=args.device, size=args.size,
                                                  residency=args.residency, on_step=on_step,
-                                                 on_progress=on_progress))
-        except ValueError as exc:  # bad residency string, device or size
+                                                 on_progress=on_progress, budget=args.budget))
+        except (ValueError, InfeasibleBudget) as exc:  # bad residency, budget, device or size
             print(f"residency drill: {exc}", file=sys.stderr)
             return 2
     if args.timeline:
@@ -134,6 +134,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve.run(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from . import plan
+
+    return plan.run(args)
+
+
 def _diagram(args: argparse.Namespace) -> int:
     print(mermaid(), end="")
     return 0
@@ -146,7 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("scenario", nargs="?", help="scenario TOML file (default: built-in cycle)")
     d.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     d.add_argument("--size", help="demo pipeline weight size, e.g. 256MB, 2GB (default 64MB)")
-    d.add_argument("--residency", help="component residency, e.g. 'transformer=layerwise-offload'")
+    d.add_argument("--residency", help="component residency, e.g. 'transformer=layerwise-offload'"
+                                       ", or 'auto' (planned under --budget)")
+    d.add_argument("--budget", help="device budget for --residency auto, e.g. 300MB or 50%%")
     d.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles of the default drill")
     d.add_argument("--json", action="store_true", help="print the report as one JSON document")
     d.add_argument("--timeline", metavar="FILE.png", help="draw device/host bytes over time")
@@ -162,6 +170,13 @@ def _parser() -> argparse.ArgumentParser:
                        description=serve.__doc__)
     serve.add_arguments(s)
     s.set_defaults(func=_serve)
+    from . import plan
+
+    p = sub.add_parser("plan", help="the residency the planner picks under a device budget",
+                       description=plan.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_arguments(p)
+    p.set_defaults(func=_plan)
     g = sub.add_parser("diagram", help="the lifecycle state machine as Mermaid")
     g.set_defaults(func=_diagram)
     return parser

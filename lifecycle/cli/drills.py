@@ -421,17 +421,27 @@ assert set(_RUNNERS) == set(SCHEMA) - {"repeat"}
 async def run_drill(scenario: Scenario, *, device: str | None = None, size: str | None = None,
                     residency: str | None = None, seed: int = 0,
                     on_step: Callable[[StepOutcome], None] | None = None,
-                    on_progress: Callable[[str, int, int], None] | None = None) -> DrillReport:
+                    on_progress: Callable[[str, int, int], None] | None = None,
+                    budget: str | None = None) -> DrillReport:
     """Build the demo pipeline and run ``scenario`` against a fresh controller.
 
-    ``on_step`` is told each step's outcome; ``on_progress`` the bytes of moves in flight."""
+    ``on_step`` is told each step's outcome; ``on_progress`` the bytes of moves in flight.
+    ``residency="auto"`` plans the residency under ``budget`` at attach."""
     size_bytes = parse_size(size or scenario.size or "64MB")
-    config = ResidencyConfig.parse(residency or scenario.residency)
-    config.validate_components(DemoPipeline.COMPONENTS)  # bad usage, before anything runs
+    wanted = residency or scenario.residency
+    auto = wanted is not None and wanted.strip().lower() == "auto"
+    if auto and budget is None:
+        raise ValueError("--residency auto needs --budget (e.g. 300MB or 50%)")
+    if budget is not None and not auto:
+        raise ValueError("--budget is used with --residency auto")
+    config: ResidencyConfig | str = "auto" if auto else ResidencyConfig.parse(wanted)
+    if isinstance(config, ResidencyConfig):
+        config.validate_components(DemoPipeline.COMPONENTS)  # bad usage, before anything runs
     pipe = DemoPipeline.build(size_bytes, seed=seed)
     # The drill's own device layer, so that fail_next steps inject real faults.
     layer = faulty_device_layer(device)
-    ctl = LifecycleController(device_layer=layer, residency=config, progress=on_progress)
+    ctl = LifecycleController(device_layer=layer, residency=config, progress=on_progress,
+                              device_budget=budget)
     report = DrillReport(scenario.name, str(ctl.device), pipe.nbytes)
     await _Runner(ctl, pipe, layer, report, on_step).run(scenario)
     return report

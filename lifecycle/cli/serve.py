@@ -1,7 +1,8 @@
 """``residency serve``: one process serving one pipeline on one device over HTTP.
 
     residency serve [--host 127.0.0.1] [--port 30000] [--pipeline demo|MODULE:FACTORY]
-        [--size 64MB] [--residency ...] [--device cpu|cuda|cuda:N] [--api-key KEY]
+        [--size 64MB] [--residency ... | --device-budget 20GiB] [--device cpu|cuda|cuda:N]
+        [--api-key KEY]
         [--auto-wake] [--drain-timeout S] [--log-json]
 
 ``--pipeline MODULE:FACTORY`` imports ``MODULE`` and calls ``FACTORY()``, which returns a
@@ -21,7 +22,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from lifecycle import LifecycleController, configure_logging
+from lifecycle import InfeasibleBudget, LifecycleController, configure_logging
 from lifecycle.demo import DemoPipeline, parse_size
 
 __all__ = ["add_arguments", "load_pipeline", "run"]
@@ -35,6 +36,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--size", default="64MB", help="demo pipeline weight size")
     ap.add_argument("--residency", help="component residency, e.g. 'vae=component-offload'")
     ap.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    ap.add_argument("--device-budget",
+                    help="plan the residency at start under this many device bytes for weights "
+                         "('20GiB', '90%%' of free memory); replaces --residency")
     ap.add_argument("--api-key", default=os.environ.get("RESIDENCY_API_KEY"),
                     help="require 'Authorization: Bearer KEY' (default $RESIDENCY_API_KEY)")
     ap.add_argument("--auto-wake", action="store_true",
@@ -108,7 +112,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         pipe, generate, described = load_pipeline(args.pipeline, args.size)
         group = _join_group(args) if world > 1 else None
-        ctl = LifecycleController(args.device, residency=args.residency,
+        if args.device_budget is not None and args.residency not in (None, "auto"):
+            raise ValueError("--device-budget plans the residency: leave out --residency")
+        residency = "auto" if args.device_budget is not None else args.residency
+        ctl = LifecycleController(args.device, residency=residency,
+                                  device_budget=args.device_budget,
                                   drain_timeout=args.drain_timeout, auto_wake=args.auto_wake,
                                   process_group=group,
                                   collective_timeout=args.collective_timeout)
@@ -144,8 +152,14 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     ranks = f", {world} ranks" if world > 1 else ""
 
+    refused: list[str] = []
+
     async def startup() -> None:
-        await ctl.attach(pipe)
+        try:
+            await ctl.attach(pipe)
+        except InfeasibleBudget as exc:  # --device-budget too small: bad usage, say why
+            refused.append(str(exc))
+            raise
         report = ctl.report()
         print(f"residency serve: http://{args.host}:{port} pipeline {described}, "
               f"{report.device_bytes + report.host_bytes:,} bytes on {ctl.device}, residency "
@@ -170,7 +184,14 @@ def run(args: argparse.Namespace) -> int:
                      on_shutdown=shutdown, driver=driver)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=max(1, int(args.drain_timeout)))
-    Server(config).run(sockets=[sock])
+    try:
+        Server(config).run(sockets=[sock])
+    except SystemExit:  # uvicorn exits 3 when startup failed
+        if not refused:
+            raise
+    if refused:
+        print(f"residency serve: {refused[0]}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -203,3 +203,33 @@ def test_python_m_lifecycle_diagram() -> None:
     assert proc.stdout.startswith("stateDiagram-v2")
     for trigger in {t.trigger for t in TRANSITIONS}:
         assert f": {trigger}" in proc.stdout
+
+
+def test_plan_prints_the_table_and_json_and_exits_1_when_nothing_fits(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``residency plan`` prints a row per component and the runners-up, ``--json`` the same
+    as one document, and a budget nothing fits exits 1 naming the smallest feasible one."""
+    assert main(["plan", "--budget", "70%", "--size", "8MB", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer" in out and "predicted: peak" in out and "runners-up" in out
+    assert main(["plan", "--budget", "70%", "--size", "8MB", "--device", "cpu", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {c["name"] for c in plan["components"]} == {"text_encoder", "transformer", "vae"}
+    assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
+    assert main(["plan", "--budget", "1000", "--size", "8MB", "--device", "cpu"]) == 1
+    assert "smallest feasible budget" in capsys.readouterr().err
+    assert main(["plan", "--budget", "lots", "--device", "cpu"]) == 2
+    assert "invalid size" in capsys.readouterr().err
+
+
+def test_drill_runs_under_an_auto_residency_and_needs_a_budget(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``drill --residency auto --budget`` plans at attach and passes; auto without a budget,
+    or a budget without auto, is bad usage."""
+    assert main(["drill", "--residency", "auto", "--budget", "70%", "--size", "8MB",
+                 "--device", "cpu", "--cycles", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"]
+    assert main(["drill", "--residency", "auto", "--device", "cpu"]) == 2
+    assert "--budget" in capsys.readouterr().err
+    assert main(["drill", "--budget", "1GiB", "--device", "cpu"]) == 2

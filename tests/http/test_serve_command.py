@@ -57,3 +57,24 @@ def test_serve_refuses_a_bad_pipeline_spec_with_exit_2() -> None:
     done = subprocess.run([sys.executable, "-m", "lifecycle", "serve", "--pipeline", "nope"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "MODULE:FACTORY" in done.stderr
+
+
+def test_serve_places_the_pipeline_under_a_device_budget() -> None:
+    """--device-budget plans the residency at start (printed on the ready line) and serves
+    generations; a budget nothing fits exits 2 naming the smallest feasible one."""
+    proc, url = start("--device-budget", "70%", "--size", "8MB")
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            r = client.post("/generate", json={"seed": 0})
+            assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    done = subprocess.run([sys.executable, "-m", "lifecycle", "serve", "--port", "0",
+                           "--device-budget", "1000"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "smallest feasible budget" in done.stderr

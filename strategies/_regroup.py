@@ -1,0 +1,168 @@
+"""Changing a component's residency while it is attached: a move from one store to another.
+
+A residency mode decides how a component's storages are grouped into units (one per storage,
+one for the whole component, one per layer) and which units sit on the device. Switching
+modes therefore means a new :class:`TensorStore` over the same tensors (built from the old
+store's storage layout, see ``TensorStore(layout=...)``) and a placement for each of its
+units. Like every move it is two-phase:
+
+* prepare: for each new unit, carry the old unit over when it holds exactly the same
+  storages and already sits where it must (nothing copied), or allocate the new unit's
+  buffer on its target tier and copy each storage's bytes in from wherever they are now
+  (the device copy, or a current host mirror); nothing is re-pointed, so a failure or a
+  cancellation is undone by dropping the new buffers;
+* commit: re-point tensors at the new buffers and hand the new store to the caller (cannot
+  fail).
+
+Moves only what must move: a component whose mode and grouping do not change is not
+touched at all, and a unit that keeps its storages and tier keeps its buffers and mirror.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ._device import CopyPair, Tier
+from ._store import Progress, TensorStore, Unit, _Storage, forget_locals
+
+__all__ = ["RegroupMove", "prepare_regroup"]
+
+
+@dataclass(eq=False)
+class _Placement:
+    """One new unit's placement: carried over from ``old`` or filled into ``buf``."""
+
+    unit: Unit
+    to: Tier
+    old: Unit | None = None  # carried over (same storages); None: copied into ``buf``
+    buf: torch.Tensor | None = None  # new device buffer or new host mirror
+
+
+@dataclass(eq=False)
+class RegroupMove:
+    """A prepared regroup of one component: ``store`` is the new store (placed at commit)."""
+
+    store: TensorStore
+    old: TensorStore
+    placements: list[_Placement]
+    bytes_copied: int = 0
+    on_commit: Callable[[], None] = lambda: None
+    on_undo: Callable[[], None] = lambda: None
+    _pending: int = field(default=0)
+
+    def commit(self) -> None:
+        """Place every unit of the new store (re-pointing only), then ``on_commit``."""
+        versions = {id(s.tensor): s.version for u in self.old.units for s in u.slot_list}
+        for p in self.placements:
+            _place(self.store, p, versions)
+        self.old.add_pending(-self._pending)
+        self._pending = 0
+        self.placements.clear()
+        self.store.refresh_derived(self.store.units)
+        self.on_commit()
+
+    async def undo(self) -> None:
+        """Drop the new buffers; the old store was never touched."""
+        self.old.add_pending(-self._pending)
+        self._pending = 0
+        self.placements.clear()
+        self.on_undo()
+
+    async def settle(self) -> BaseException | None:
+        return None
+
+
+def _place(store: TensorStore, p: _Placement, versions: dict[int, int]) -> None:
+    unit, old = p.unit, p.old
+    if old is None:
+        assert p.buf is not None
+        if p.to == "device":
+            unit.host, unit.mirror_current = None, False
+            store.point_to_device(unit, p.buf)
+        else:
+            _adopt_mirror(store, unit, p.buf)
+            store.point_to_host(unit)
+        return
+    # Carried over: the same storages at the same offsets, so the old buffers fit as they are.
+    if old.host is not None:
+        _adopt_mirror(store, unit, old.host)
+        unit.mirror_current = old.mirror_current
+    if p.to == "device":
+        if old.where == "device":
+            unit.device_buf, unit.where = old.device_buf, "device"
+            for slot in unit.slot_list:  # tensors already point there; keep dirtiness
+                slot.version = versions.get(id(slot.tensor), -1)
+                slot.ptr = slot.tensor.data_ptr()
+        else:
+            assert p.buf is not None
+            store.point_to_device(unit, p.buf)  # from a current mirror: clean
+    else:
+        store.point_to_host(unit)
+
+
+def _adopt_mirror(store: TensorStore, unit: Unit, host: torch.Tensor) -> None:
+    unit.host = host
+    for st in unit.storages:
+        for slot in st.slots:
+            slot.host_view = slot.view_of(host, st.offset)
+
+
+def _same_storages(new: Unit, old_of: dict[int, _Storage], old: TensorStore) -> Unit | None:
+    """The old unit holding exactly ``new``'s storages in the same order, if any."""
+    mapped = [old_of[id(st)] for st in new.storages]
+    unit, _, _ = old.locate(mapped[0])
+    return unit if unit.storages == mapped else None
+
+
+async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequence[Unit],
+                          progress: Progress | None = None) -> RegroupMove:
+    """Prepare placing ``new`` (a store built with ``layout=old``) with ``on_device`` on the
+    device and every other unit on the host, copying from wherever ``old`` has the bytes."""
+    # The same storage in both stores holds the same tensor objects.
+    by_tensor = {id(slot.tensor): st for st in old.storages() for slot in st.slots}
+    old_of = {id(st): by_tensor[id(st.slots[0].tensor)] for st in new.storages()}
+    device_ids = {id(u) for u in on_device}
+    move = RegroupMove(new, old, [])
+    pairs: dict[Tier, list[CopyPair]] = {"device": [], "host": []}
+    try:
+        for unit in new.units:
+            to: Tier = "device" if id(unit) in device_ids else "host"
+            p = _Placement(unit, to)
+            move.placements.append(p)
+            same = _same_storages(unit, old_of, old)
+            if same is not None and (same.where == to or (
+                    to == "host" and same.host is not None and not same.dirty())):
+                p.old = same  # nothing to copy
+                continue
+            if same is not None and to == "device" and same.host is not None:
+                p.old = same  # on the host: its current mirror comes in and stays the mirror
+                p.buf = new.layer.alloc(unit.nbytes, "device")
+                move._pending += unit.nbytes
+                old.add_pending(unit.nbytes)
+                pairs["device"].append((p.buf, same.host))
+                continue
+            p.buf = new.layer.alloc(unit.nbytes, to)
+            if to == "device":
+                move._pending += unit.nbytes
+                old.add_pending(unit.nbytes)
+            for st in unit.storages:
+                _, on_dev, on_host = old.locate(old_of[id(st)])
+                # Prefer the copy already on the target tier (no trip over the link).
+                source = (on_dev if on_dev is not None else on_host) if to == "device" \
+                    else (on_host if on_host is not None else on_dev)
+                assert source is not None
+                pairs[to].append((p.buf[st.offset:st.offset + st.nbytes], source))
+        for to in ("host", "device"):
+            if pairs[to]:
+                await new.copy_pairs(pairs[to], to, progress)
+                move.bytes_copied += sum(int(d.nbytes) for d, _ in pairs[to])
+    except BaseException as exc:
+        await move.undo()
+        forget_locals(exc)
+        raise
+    finally:
+        pairs.clear()
+    return move
