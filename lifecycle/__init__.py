@@ -1,6 +1,6 @@
 """The lifecycle of a model pipeline's weights: attach, sleep, wake, update, detach."""
 
-from strategies import ComponentResidencyError, ResidencyError, StoreError
+from strategies import ComponentResidencyError, ResidencyError, StoreError, UnsupportedCompute
 
 from ._controller import LifecycleController
 from ._errors import (
@@ -53,6 +53,7 @@ __all__ = [
     "SyncLifecycleController",
     "TransitionFailed",
     "TransitionRejected",
+    "UnsupportedCompute",
     "UpdateResult",
     "WeightUpdateWhileSleeping",
     "configure_logging",

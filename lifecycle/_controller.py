@@ -49,7 +49,9 @@ from strategies import (
     is_layerwise_offloaded,
     layerwise_blocks,
     make_device_layer,
+    needs_restore,
     prepare_regroup,
+    prepare_restore,
 )
 
 from . import _events as events
@@ -166,7 +168,8 @@ class LifecycleController:
                  device_layer: DeviceLayer | None = None, process_group: Any = None,
                  collective_timeout: float = 30.0,
                  device_budget: int | float | str | None = None,
-                 activation_reserve: int | None = None) -> None:
+                 activation_reserve: int | None = None,
+                 prefetch_headroom: int = 2**30) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
         # With a process group every transition is collective (see lifecycle._group).
         self._group = None if process_group is None else RankGroup(process_group,
@@ -202,6 +205,9 @@ class LifecycleController:
                           self.id)
         self._uses.auto_wake = auto_wake
         self._uses.prefetch_components = prefetch_components
+        # A request prefetch starts only when the device has the next component's bytes plus
+        # this much free (the running component's activations need room too).
+        self._uses.prefetch_headroom = prefetch_headroom
         self._transition: str | None = None
         self._version = 0
         self._enabled: list[nn.Module] = []  # modules attach() made layerwise-capable
@@ -468,7 +474,8 @@ class LifecycleController:
                 for c in components.values():
                     check = functools.partial(self._check_forward, c.name)
                     c.strategy.forward_check = check
-                    c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward)
+                    c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
+                                           root_check=self._layer.check_compute)
                 self._commit_phase("attach")
                 self._summary("attach", Phase.UNINITIALIZED, copied, time.perf_counter() - t0)
             return self.phase
@@ -545,7 +552,13 @@ class LifecycleController:
             async def prepare(moves: list[PreparedMove]) -> None:
                 for c in self._uses.components.values():
                     store = c.strategy.store
-                    moves.append(await store.prepare_to_host(store.select("device")))
+                    if needs_restore(store):
+                        # The module gets its own storages back (not views of our flat
+                        # mirrors, not pinned memory): as it came, so another tool (or
+                        # another controller) can place it per storage again.
+                        moves.append(await prepare_restore(store))
+                    else:
+                        moves.append(await store.prepare_to_host(store.select("device")))
 
             with structlog.contextvars.bound_contextvars(transition="detach",
                                                          transition_id=next(_ids)):
@@ -856,6 +869,10 @@ class LifecycleController:
                                           exempt=self._uses.own_leases()):
             for c in self._uses.components.values():
                 c.strategy.quiesce()
+            if self._layer.needs_sync:
+                # Uses drained, but their kernels and copies may still run behind the host
+                # (CUDA): no move may free, and no host write may touch, a buffer they read.
+                await anyio.to_thread.run_sync(self._layer.synchronize, limiter=self._threads)
             yield
 
     async def _move_all(self, trigger: str) -> OccupationResult:

@@ -6,6 +6,8 @@
     ├── StoreError (+ValueError)        a module's tensors cannot be managed (strategies)
     ├── ComponentResidencyError         a configured mode does not fit how the module was
     │   (+ValueError)                   loaded (strategies)
+    ├── UnsupportedCompute (+RuntimeError)  a forward under CUDA graph capture or on a
+    │                                   non-default CUDA stream (strategies)
     └── LifecycleError                  any refusal or failure of the lifecycle
         ├── TransitionRejected          refused before anything moved (trigger, phase, reason)
         │   ├── FSDPInferenceUnsupported  sleep/wake of an FSDP-managed pipeline (+RuntimeError)

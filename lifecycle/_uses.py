@@ -106,6 +106,7 @@ class Uses:
         self.components: dict[str, Component] = {}
         self.auto_wake = False
         self.prefetch_components = True
+        self.prefetch_headroom = 2**30  # bytes a request prefetch leaves free (see _prefetch_next)
         # The request this task is in, *for this controller*: one variable per controller,
         # so a use of another controller inside our request is none of our business.
         self._request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
@@ -255,7 +256,9 @@ class Uses:
             return
         store = nxt.strategy.store
         free = self.layer.free_bytes()
-        if free is not None and free < store.nbytes - store.device_bytes:
+        # The running component's activations come out of the same free memory: keep
+        # ``prefetch_headroom`` bytes for them, or the prefetch could starve the forward.
+        if free is not None and free < store.nbytes - store.device_bytes + self.prefetch_headroom:
             return
         nxt.prefetch = _Prefetch(self.admission.take(f"{nxt.name} (prefetch)"))
         req.started.add(nxt.name)

@@ -15,6 +15,7 @@ from ._device import (
     CpuDevice,
     CudaDevice,
     DeviceLayer,
+    UnsupportedCompute,
     make_device_layer,
     resolve_device,
 )
@@ -31,7 +32,13 @@ from ._layerwise import (
     layerwise_blocks,
 )
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
-from ._regroup import RegroupMove, prepare_regroup
+from ._regroup import (
+    RegroupMove,
+    RestoreMove,
+    needs_restore,
+    prepare_regroup,
+    prepare_restore,
+)
 from ._resident import ResidentStrategy
 from ._store import Move, PreparedMove, StoreError, StoreReport, TensorStore, Unit
 from ._write import WriteMove, WriteSource
@@ -57,12 +64,14 @@ __all__ = [
     "ResidencyMode",
     "ResidencyStrategy",
     "ResidentStrategy",
+    "RestoreMove",
     "Shape",
     "SnapshotOffloadStrategy",
     "StoreError",
     "StoreReport",
     "TensorStore",
     "Unit",
+    "UnsupportedCompute",
     "WriteMove",
     "WriteSource",
     "build_strategy",
@@ -75,6 +84,8 @@ __all__ = [
     "is_layerwise_offloaded",
     "layerwise_blocks",
     "make_device_layer",
+    "needs_restore",
     "prepare_regroup",
+    "prepare_restore",
     "resolve_device",
 ]

@@ -26,6 +26,8 @@ import anyio
 import anyio.to_thread
 import torch
 
+from ._errors import ResidencyError
+
 __all__ = [
     "CopyHandle",
     "CopyPair",
@@ -33,6 +35,7 @@ __all__ = [
     "CudaDevice",
     "DeviceLayer",
     "Tier",
+    "UnsupportedCompute",
     "make_device_layer",
     "resolve_device",
 ]
@@ -50,12 +53,25 @@ class CopyHandle(Protocol):
         Re-raises an error the copy hit."""
         ...
 
+    def wait_host(self) -> None:
+        """Block the calling thread until the copy has landed (before the host reads or
+        writes its buffers)."""
+        ...
+
+
+class UnsupportedCompute(ResidencyError, RuntimeError):
+    """A forward ran where the library cannot order its moves: under CUDA graph capture, or
+    on a CUDA stream other than the device's default stream (see the README)."""
+
 
 class _FutureHandle:
     def __init__(self, future: Future[None]) -> None:
         self._future = future
 
     def wait(self) -> None:
+        self._future.result()
+
+    def wait_host(self) -> None:
         self._future.result()
 
 
@@ -66,6 +82,17 @@ class _EventHandle:  # pragma: no cover - CUDA only
 
     def wait(self) -> None:
         torch.cuda.current_stream(self._device).wait_event(self._event)
+
+    def wait_host(self) -> None:
+        _synchronize_event(self._event, self._device)
+
+
+def _synchronize_event(event: torch.cuda.Event, device: torch.device) -> None:  # pragma: no cover
+    """``event.synchronize()`` with ``device`` current: from a worker thread whose current
+    device is another one (or none yet), the runtime could otherwise create a context on
+    GPU 0. The event is a blocking one (see ``CudaDevice._event``): the thread sleeps."""
+    with torch.cuda.device(device):
+        event.synchronize()
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -234,7 +261,19 @@ class DeviceLayer:
         return None
 
     def synchronize(self) -> None:
-        """Block until all queued device work is done (scripts and tests only)."""
+        """Block until all queued device work is done (transitions call it, in a worker
+        thread, when :attr:`needs_sync`)."""
+
+    #: Whether a transition must wait for the device's queued work before it moves or
+    #: writes any buffer (CUDA: kernels and copies run behind the host).
+    needs_sync = False
+
+    def check_compute(self) -> None:
+        """Raise :class:`UnsupportedCompute` when a forward runs where moves cannot be
+        ordered (CUDA graph capture, a non-default stream); nothing on the CPU."""
+
+    def for_compute(self, buf: torch.Tensor) -> None:
+        """``buf`` (a moved-in device buffer) is read by compute from now on."""
 
     def close(self) -> None:
         """Stop the layer's own threads (waiting for copies in flight); it starts them again
@@ -275,10 +314,30 @@ class CpuDevice(DeviceLayer):
 
 
 class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_check.py
-    """Pinned host tier, a copy stream per direction, events waited on in a worker thread."""
+    """Pinned host tier, a copy stream per direction, events waited on in a worker thread.
+
+    Buffer lifetimes, and the wait that makes each one safe:
+
+    * a device buffer a move copies *into* is allocated on the copy stream (``_alloc``), so
+      the caching allocator can only have handed it a block whose earlier users on that
+      stream are done; compute reads it only after the host saw the copy's event (``copy``)
+      or the compute stream waited on it (``_EventHandle.wait``), and ``point_to_device``
+      records the compute stream on it (``for_compute``), so when it is freed the block is
+      not reused before the compute stream's kernels that read it are done;
+    * a device buffer a move copies *out of* (sleep, a dirty evict) was written by compute:
+      the copy stream waits for the compute stream first (``_enqueue``, ``to="host"``) and the
+      buffer is recorded on the copy stream, so dropping it after cannot free it early;
+    * host mirrors are written by the host only after every copy that reads them has landed:
+      transitions first synchronize the device (``needs_sync``: the controller's gate), and
+      a dirty evict waits on its own copy's event on the host (``wait_host``), not on the
+      whole device;
+    * forwards run on the default stream and never under graph capture (``check_compute``),
+      so "the compute stream" above is one known stream.
+    """
 
     pinned = True
     copies_overlap_compute = True
+    needs_sync = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -288,22 +347,57 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
                 "host": torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
             }
         self._limiter = anyio.CapacityLimiter(2)
+        self._default = torch.cuda.default_stream(device)
+
+    def _alloc(self, nbytes: int, tier: Tier, pinned: bool) -> torch.Tensor:
+        if tier == "device":
+            # On the copy stream that fills it: no wait on compute is needed before the copy
+            # (the block's earlier users were on this stream), so a prefetch overlaps the
+            # running forward instead of queueing behind it.
+            with torch.cuda.device(self.device), torch.cuda.stream(self._streams["device"]):
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return super()._alloc(nbytes, tier, pinned)
+
+    def for_compute(self, buf: torch.Tensor) -> None:
+        # Compute on the default stream reads ``buf`` from now on: freeing it must not let the
+        # copy stream's pool reuse the block before those kernels are done.
+        buf.record_stream(self._default)
+
+    def check_compute(self) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise UnsupportedCompute(
+                "a forward of a component placed by residency ran under CUDA graph capture: "
+                "its weights move (new addresses after wake, every layer under layerwise "
+                "offload), so a captured graph would replay on freed memory; capture outside "
+                "residency or keep the component resident and never sleep it while captured")
+        if torch.cuda.current_stream(self.device) != self._default:
+            raise UnsupportedCompute(
+                f"a forward ran on a non-default CUDA stream of {self.device}: residency "
+                "orders its copies and frees against the default stream; run forwards on it")
+
+    def _event(self) -> torch.cuda.Event:
+        # blocking=True: a host thread waiting on it sleeps instead of spinning a core.
+        return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
 
     def _enqueue(self, pairs: Sequence[CopyPair], to: Tier) -> torch.cuda.Event:
         stream = self._streams[to]
         with torch.cuda.device(self.device):
-            # Device buffers were allocated (and sources written) on the compute stream:
-            # the copy stream must not start before that work.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            if to == "host" or any(src.is_cuda for _, src in pairs):
+                # The sources are device buffers written by compute: read them after it.
+                stream.wait_stream(self._default)
             with torch.cuda.stream(stream):
                 try:
                     for dst, src in pairs:
                         self._copy_one(dst, src)
+                        for t in (dst, src):
+                            if t.is_cuda:
+                                # Freed while the copy is queued: not reused before it ran.
+                                t.record_stream(stream)
                 except BaseException:
                     # Copies already queued must land before the caller frees their buffers.
                     stream.synchronize()
                     raise
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event = self._event()
                 event.record(stream)
         return event
 
@@ -321,11 +415,12 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
         if not pairs:
             return
         event = self._enqueue(pairs, to)
-        # The compute stream must see the copied bytes before any later kernel reads them,
-        # and the caching allocator must not hand these blocks to another stream early.
-        torch.cuda.current_stream(self.device).wait_event(event)
+        # The host waits (in a worker thread, the loop keeps serving): the caller re-points
+        # tensors or frees buffers only after the bytes landed, so no stream wait is queued
+        # on compute (it would stall a running forward behind a prefetch).
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(event.synchronize, limiter=self._limiter)
+            await anyio.to_thread.run_sync(_synchronize_event, event, self.device,
+                                           limiter=self._limiter)
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()

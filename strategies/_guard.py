@@ -24,9 +24,14 @@ class ComputeGuard:
     ``on_training_forward(submodule)`` is told of forwards in training mode."""
 
     def __init__(self, module: nn.Module, check: Callable[[], None],
-                 on_training_forward: Callable[[nn.Module], None] | None = None) -> None:
+                 on_training_forward: Callable[[nn.Module], None] | None = None,
+                 root_check: Callable[[], None] | None = None) -> None:
         self.check = check
         self.on_training_forward = on_training_forward
+        # Checked once per forward of the whole component (e.g. the device layer's stream
+        # and graph-capture check), not at every submodule.
+        self.root_check = root_check
+        self._root = module
         self._handles: list[RemovableHandle] = []
         for sub in module.modules():
             if next(sub.parameters(), None) is not None or \
@@ -34,6 +39,8 @@ class ComputeGuard:
                 self._handles.append(sub.register_forward_pre_hook(self._hook))
 
     def _hook(self, module: nn.Module, args: Any) -> None:
+        if module is self._root and self.root_check is not None:
+            self.root_check()
         self.check()
         if module.training and self.on_training_forward is not None:
             self.on_training_forward(module)

@@ -257,6 +257,7 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
     def _make_pre(self, i: int) -> Callable[[nn.Module, Any], None]:
         def pre(module: nn.Module, args: Any) -> None:
             self.forward_check()
+            self.store.layer.check_compute()  # the layer moves now: only where it can
             state = self._thread
             if state.trace is not None:
                 state.trace.append(i)

@@ -28,7 +28,7 @@ import torch
 from ._device import CopyPair, Tier
 from ._store import Progress, TensorStore, Unit, _Storage, forget_locals
 
-__all__ = ["RegroupMove", "prepare_regroup"]
+__all__ = ["RegroupMove", "RestoreMove", "needs_restore", "prepare_regroup", "prepare_restore"]
 
 
 @dataclass(eq=False)
@@ -159,6 +159,72 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
             if pairs[to]:
                 await new.copy_pairs(pairs[to], to, progress)
                 move.bytes_copied += sum(int(d.nbytes) for d, _ in pairs[to])
+    except BaseException as exc:
+        await move.undo()
+        forget_locals(exc)
+        raise
+    finally:
+        pairs.clear()
+    return move
+
+
+@dataclass(eq=False)
+class RestoreMove:
+    """A prepared detach that gives the module its storages back: one pageable host tensor
+    per storage it came with (its size, its tensors at their offsets, views sharing it as
+    before), filled from wherever the bytes are. Commit re-points the tensors (cannot
+    fail); the store is done with after."""
+
+    store: TensorStore
+    buffers: list[tuple[list[_Storage], torch.Tensor]]
+    bytes_copied: int = 0
+
+    def commit(self) -> None:
+        for storages, buf in self.buffers:
+            for st in storages:
+                for slot in st.slots:
+                    slot.tensor.data = slot.view_of(buf, st.base)
+        self.buffers.clear()
+        for unit in self.store.units:
+            unit.where, unit.device_buf, unit.host = "host", None, None
+            for slot in unit.slot_list:
+                slot.host_view = None
+        self.store.refresh_derived(self.store.units)
+
+    async def undo(self) -> None:
+        self.buffers.clear()
+
+    async def settle(self) -> BaseException | None:
+        return None
+
+
+def needs_restore(store: TensorStore) -> bool:
+    """Whether leaving ``store``'s tensors in its host mirrors would change the module's
+    storage layout (a unit of several storages, a region of a storage) or hand it pinned
+    memory."""
+    return store.layer.pinned or any(
+        len(u.storages) > 1 or u.storages[0].base or u.storages[0].nbytes != u.storages[0].origin[1]
+        for u in store.units)
+
+
+async def prepare_restore(store: TensorStore, progress: Progress | None = None) -> RestoreMove:
+    """Prepare giving ``store``'s module its original storages back, on the host."""
+    groups: dict[tuple[int, int], list[_Storage]] = {}
+    for st in store.storages():
+        groups.setdefault(st.origin, []).append(st)
+    move = RestoreMove(store, [])
+    pairs: list[CopyPair] = []
+    try:
+        for (_, nbytes), storages in groups.items():
+            buf = store.layer.alloc(nbytes, "host", pinned=False)
+            move.buffers.append((storages, buf))
+            for st in storages:
+                _, on_dev, on_host = store.locate(st)
+                source = on_host if on_host is not None else on_dev
+                assert source is not None
+                pairs.append((buf[st.base:st.base + st.nbytes], source))
+        await store.copy_pairs(pairs, "host", progress)
+        move.bytes_copied = sum(int(d.nbytes) for d, _ in pairs)
     except BaseException as exc:
         await move.undo()
         forget_locals(exc)

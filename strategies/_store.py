@@ -24,6 +24,7 @@ counter; call :meth:`TensorStore.mark_dirty` after such writes.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -95,16 +96,64 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Storage:
-    """One untyped storage and the tensor objects that view it."""
+    """One untyped storage (or one self-contained region of it) and the tensor objects that
+    view it."""
 
     nbytes: int
     slots: list[_Slot]
     offset: int = 0  # inside the unit's buffers
+    base: int = 0  # where the region starts in the untyped storage the tensors view now
+    # The storage the module came with: (token, its bytes); regions split from one storage
+    # share it, so that detach can give the module its storages back as they were.
+    origin: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        if self.origin == (0, 0):
+            self.origin = (next(_origins), self.nbytes)
 
     def source_bytes(self) -> torch.Tensor:
         """The storage's live bytes, wherever they are, as a 1-D uint8 tensor."""
         t = self.slots[0].tensor
-        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        return whole[self.base:self.base + self.nbytes]
+
+
+_origins = itertools.count(1)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to just past its last one in its storage."""
+    if t.numel() == 0:
+        return 0
+    elements = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(),
+                                                                         strict=True))
+    return elements * t.element_size()
+
+
+def _split(st: _Storage) -> list[_Storage]:
+    """A storage whose tensors fall into disjoint byte ranges (a flat buffer several
+    parameters were packed into, as another offloading tool or a previous flat placement
+    leaves them) as one region per group of overlapping tensors, so that each region can
+    move on its own (one layer's weights with its layer). Views that overlap stay together;
+    a storage with one group is returned as it is."""
+    if len(st.slots) < 2:
+        return [st]
+    ranges = sorted(((s.byte_offset, s.byte_offset + _span(s.tensor)), s) for s in st.slots)
+    groups: list[tuple[int, int, list[_Slot]]] = []
+    for (start, end), slot in ranges:
+        if groups and start < groups[-1][1]:
+            g_start, g_end, members = groups[-1]
+            groups[-1] = (g_start, max(g_end, end), [*members, slot])
+        else:
+            groups.append((start, end, [slot]))
+    if len(groups) == 1:
+        return [st]
+    out = []
+    for start, end, members in groups:
+        for slot in members:
+            slot.byte_offset -= start
+        out.append(_Storage(end - start, members, base=start, origin=st.origin))
+    return out
 
 
 @dataclass(eq=False)
@@ -403,7 +452,9 @@ class TensorStore:
                 storages[key] = _Storage(st.nbytes(), [])
             storages[key].slots.append(slot)
         grouped: dict[str, list[_Storage]] = {}
-        for st_ in storages.values():
+        regions = [r for st_ in storages.values() for r in
+                   (_split(st_) if self._layout is None else [st_])]
+        for st_ in regions:
             grouped.setdefault(self._unit_key(st_), []).append(st_)
         self.units = []
         for layer_key, group in grouped.items():
@@ -442,7 +493,9 @@ class TensorStore:
                 slot = slots[id(s.tensor)]
                 slot.byte_offset = s.byte_offset
                 new_slots.append(slot)
-            out[("layout", i)] = _Storage(st.nbytes, new_slots)
+            # ``base`` is where the region sits in the storage the tensors view *now*:
+            # wherever the old store placed it, its bytes are found through ``locate``.
+            out[("layout", i)] = _Storage(st.nbytes, new_slots, base=st.base, origin=st.origin)
         return out
 
     def storages(self) -> list[_Storage]:
@@ -607,6 +660,7 @@ class TensorStore:
             for slot in st.slots:
                 slot.tensor.data = slot.view_of(buf, st.offset)
                 slot.record()
+        self.layer.for_compute(buf)
         unit.device_buf = buf
         unit.where = "device"
 
@@ -723,10 +777,10 @@ class TensorStore:
         copied = 0
         if unit.dirty():
             self.ensure_mirror(unit)
-            # The compute stream waits for the copy, so the freed buffer is not reused early;
-            # the host waits too, since the mirror is read as soon as it is re-pointed.
-            self.layer.start_copy(self._copy_out_pairs(unit), "host").wait()
-            self.layer.synchronize()
+            # The host waits for this copy only (not the whole device): the mirror is read
+            # as soon as it is re-pointed; the buffer, recorded on the copy stream, is not
+            # reused before the copy ran even though it is dropped at once.
+            self.layer.start_copy(self._copy_out_pairs(unit), "host").wait_host()
             copied = unit.nbytes
         self.point_to_host(unit)
         self.refresh_derived([unit])

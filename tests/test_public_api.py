@@ -24,7 +24,8 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
         "LifecycleController", "LifecycleError", "OccupationResult", "Phase", "PlacementReport",
         "RankChecksums", "RanksDisagree", "ResidencyChange", "ResidencyPlan", "InfeasibleBudget",
         "ResidencyError", "StoreError", "SyncLifecycleController", "TransitionFailed",
-        "TransitionRejected", "UpdateResult", "WeightUpdateWhileSleeping", "configure_logging",
+        "TransitionRejected", "UnsupportedCompute", "UpdateResult", "WeightUpdateWhileSleeping",
+        "configure_logging",
         "mermaid"}
 
 
@@ -33,7 +34,8 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
 # who brings another device. TensorStore, Unit, Move, PreparedMove, WriteMove, WriteSource,
 # StoreReport, ComputeGuard: the types of the strategy protocol, for who writes a strategy
 # (and for lifecycle, which may import nothing else). Shape, RegroupMove, prepare_regroup,
-# check_block_lists: changing a component's residency while attached, and sizing the options.
+# check_block_lists: changing a component's residency while attached, and sizing the options;
+# RestoreMove, prepare_restore, needs_restore: a detach that gives the storages back.
 STRATEGIES_API = {
     "DIT_GROUP", "RESIDENCY_POLICIES", "VAE_GROUP", "LayerwiseTuning", "ResidencyConfig",
     "ResidencyMode", "group_of",
@@ -41,11 +43,11 @@ STRATEGIES_API = {
     "LayerwiseOffloadStrategy", "build_strategy", "is_fsdp_managed",
     "enable_layerwise_offload", "disable_layerwise_offload", "is_layerwise_offloaded",
     "layerwise_blocks", "detect_block_lists", "check_block_lists",
-    "Shape", "RegroupMove", "prepare_regroup",
+    "Shape", "RegroupMove", "prepare_regroup", "RestoreMove", "prepare_restore", "needs_restore",
     "DeviceLayer", "CpuDevice", "CudaDevice", "CopyHandle", "make_device_layer", "resolve_device",
     "TensorStore", "Unit", "Move", "PreparedMove", "WriteMove", "WriteSource", "StoreReport",
     "ComputeGuard",
-    "ResidencyError", "StoreError", "ComponentResidencyError",
+    "ResidencyError", "StoreError", "ComponentResidencyError", "UnsupportedCompute",
 }
 
 
