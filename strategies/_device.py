@@ -15,6 +15,7 @@ layer can fail the k-th one (see ``lifecycle.testing``).
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 import weakref
@@ -275,6 +276,11 @@ class DeviceLayer:
     def for_compute(self, buf: torch.Tensor) -> None:
         """``buf`` (a moved-in device buffer) is read by compute from now on."""
 
+    @staticmethod
+    def pinned_footprint(nbytes: int) -> int:
+        """Host bytes a pinned buffer of ``nbytes`` really locks (0 where nothing is pinned)."""
+        return 0
+
     def close(self) -> None:
         """Stop the layer's own threads (waiting for copies in flight); it starts them again
         if used after."""
@@ -356,7 +362,13 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
             # running forward instead of queueing behind it.
             with torch.cuda.device(self.device), torch.cuda.stream(self._streams["device"]):
                 return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if pinned and nbytes:
+            return _pinned_arena(nbytes)
         return super()._alloc(nbytes, tier, pinned)
+
+    @staticmethod
+    def pinned_footprint(nbytes: int) -> int:
+        return (nbytes + _PAGE - 1) // _PAGE * _PAGE
 
     def for_compute(self, buf: torch.Tensor) -> None:
         # Compute on the default stream reads ``buf`` from now on: freeing it must not let the
@@ -458,6 +470,35 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def _pinned_arena(nbytes: int) -> torch.Tensor:  # pragma: no cover - CUDA only
+    """``nbytes`` of page-locked host memory of our own: anonymous pages registered with the
+    driver (``cudaHostRegister``), not torch's caching host allocator, which rounds every
+    block up to a power of two (a 33 GB mirror would pin 64 GiB) and never gives a block
+    back. The footprint is the size rounded to a page; when the tensor's storage dies the
+    pages are unregistered, then unmapped: returned to the system (a detach frees them)."""
+    arena = mmap.mmap(-1, nbytes)
+    view = torch.frombuffer(arena, dtype=torch.uint8)  # keeps ``arena`` alive while it lives
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    err = cudart.cudaHostRegister(view.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        del view
+        arena.close()
+        raise MemoryError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)}); "
+                          "the system may limit locked memory (ulimit -l)")
+    weakref.finalize(view.untyped_storage(), _release_arena, arena, view.data_ptr())
+    return view
+
+
+def _release_arena(arena: mmap.mmap, ptr: int) -> None:  # pragma: no cover - CUDA only
+    # The storage died (its deleter dropped its reference; the finalizer holds the last):
+    # unpin, then unmap.
+    torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
+    arena.close()
 
 
 def make_device_layer(device: str | torch.device | None) -> DeviceLayer:

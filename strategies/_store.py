@@ -805,7 +805,9 @@ class TensorStore:
     def report(self) -> StoreReport:
         device = self.device_bytes
         host = sum(u.nbytes for u in self.units if u.host is not None)
-        return StoreReport(device, host, host if self.layer.pinned else 0)
+        pinned = sum(self.layer.pinned_footprint(u.nbytes) for u in self.units
+                     if u.host is not None) if self.layer.pinned else 0
+        return StoreReport(device, host, pinned)
 
     @property
     def nbytes(self) -> int:
