@@ -269,22 +269,28 @@ class Uses:
             and self.phase() is Phase.AWAKE and self.admission.closed_by is None
 
     async def _run_prefetch(self, c: Component, pf: _Prefetch) -> None:
-        with anyio.CancelScope() as pf.scope:
-            try:
-                async with c.lock:
-                    if self._may_prefetch(c, pf):
-                        pf.started = True
-                        pf.move = await c.strategy.prepare_use()
-                        # A copy is not abandoned when cancelled: it completes, so look again.
+        try:
+            with anyio.CancelScope() as pf.scope:
+                try:
+                    async with c.lock:
                         if self._may_prefetch(c, pf):
-                            pf.ready = True
-                            return
-            except Exception as exc:
-                _log.warning(events.PREFETCH_FAILED, component=c.name,
-                             error=f"{type(exc).__name__}: {exc}", rank=self.rank,
-                             controller=self.controller_id)
-        with anyio.CancelScope(shield=True):
-            await self._drop_prefetch(c, pf)
+                            pf.started = True
+                            pf.move = await c.strategy.prepare_use()
+                            # A copy is not abandoned when cancelled: it completes, so look
+                            # again.
+                            if self._may_prefetch(c, pf):
+                                pf.ready = True
+                                return
+                except Exception as exc:
+                    _log.warning(events.PREFETCH_FAILED, component=c.name,
+                                 error=f"{type(exc).__name__}: {exc}", rank=self.rank,
+                                 controller=self.controller_id)
+        finally:
+            # Also when the request's task group cancelled this task (its body raised) before
+            # or while it ran: the lease must come back, or a later drain waits forever.
+            if not pf.ready:
+                with anyio.CancelScope(shield=True):
+                    await self._drop_prefetch(c, pf)
 
     async def _drop_prefetch(self, c: Component, pf: _Prefetch) -> None:
         """Undo a prefetch that will not be used and return its lease (once)."""

@@ -165,3 +165,20 @@ async def test_a_request_prefetch_leaves_headroom_for_the_running_component() ->
                 pass
         assert moved_early == [prefetched], free
         await ctl.aclose()
+
+
+async def test_a_request_whose_body_raises_returns_every_prefetch_lease() -> None:
+    """When a use inside a request raises while the next component's prefetch is scheduled
+    or copying, the prefetch is dropped and its lease returned: a later drain does not wait."""
+    for delay in (0.0, 0.002, 0.02):
+        pipe = DemoPipeline.build(2**20)
+        ctl = LifecycleController("cpu", residency="all=component-offload", drain_timeout=2.0)
+        await ctl.attach(pipe)
+        with pytest.raises(RuntimeError, match="boom"):
+            async with ctl.request(["text_encoder", "transformer"]):
+                async with ctl.use("text_encoder"):
+                    await anyio.sleep(delay)
+                    raise RuntimeError("boom")
+        assert ctl.in_flight == 0
+        await ctl.sleep()  # drains at once
+        await ctl.aclose()
