@@ -175,10 +175,9 @@ async def test_a_request_whose_body_raises_returns_every_prefetch_lease() -> Non
         ctl = LifecycleController("cpu", residency="all=component-offload", drain_timeout=2.0)
         await ctl.attach(pipe)
         with pytest.raises(RuntimeError, match="boom"):
-            async with ctl.request(["text_encoder", "transformer"]):
-                async with ctl.use("text_encoder"):
-                    await anyio.sleep(delay)
-                    raise RuntimeError("boom")
+            async with ctl.request(["text_encoder", "transformer"]), ctl.use("text_encoder"):
+                await anyio.sleep(delay)
+                raise RuntimeError("boom")
         assert ctl.in_flight == 0
         await ctl.sleep()  # drains at once
         await ctl.aclose()
