@@ -354,6 +354,7 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
             }
         self._limiter = anyio.CapacityLimiter(2)
         self._default = torch.cuda.default_stream(device)
+        self._stage: list[torch.Tensor] | None = None  # two pinned staging buffers, on need
 
     def _alloc(self, nbytes: int, tier: Tier, pinned: bool) -> torch.Tensor:
         if tier == "device":
@@ -424,6 +425,14 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
             await anyio.to_thread.run_sync(self._copy_batch, on_host, limiter=self._limiter)
             pairs = [p for p in pairs if not (p[0].device.type == "cpu" and
                                               p[1].device.type == "cpu")]
+        # A pageable host side (update sources: user tensors, memory-mapped safetensors;
+        # host backups): copy_ from it would run synchronously on the event loop at about half
+        # the pinned rate, taking its page faults (disk reads) there. Staged instead.
+        pageable = [p for p in pairs if _pageable_side(p)]
+        if pageable:
+            with anyio.CancelScope(shield=True):  # a started copy is never abandoned
+                await anyio.to_thread.run_sync(self._staged, pageable, limiter=self._limiter)
+            pairs = [p for p in pairs if not _pageable_side(p)]
         if not pairs:
             return
         event = self._enqueue(pairs, to)
@@ -433,6 +442,51 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(_synchronize_event, event, self.device,
                                            limiter=self._limiter)
+
+    def _staged(self, pairs: Sequence[CopyPair]) -> None:
+        """Copy pairs with one pageable host side through two reusable pinned buffers, in
+        this worker thread: the host copy of one chunk (page faults, disk reads) overlaps
+        the device copy of the previous one. Returns when every byte has landed."""
+        with torch.cuda.device(self.device):
+            if self._stage is None:
+                self._stage = [_pinned_arena(_STAGE), _pinned_arena(_STAGE)]
+            stages = self._stage
+            pending: list[torch.cuda.Event | None] = [None, None]
+            turn = 0
+            # Device sources were written by compute; device destinations may be read by
+            # it until now (a restore overwrites live weights): order after both.
+            for stream in self._streams.values():
+                stream.wait_stream(self._default)
+            try:
+                for dst, src in pairs:
+                    to_device = dst.is_cuda
+                    stream = self._streams["device" if to_device else "host"]
+                    for start in range(0, int(dst.nbytes), _STAGE):
+                        end = min(start + _STAGE, int(dst.nbytes))
+                        slot = stages[turn][:end - start]
+                        event = pending[turn]
+                        if event is not None:
+                            event.synchronize()  # the slot's previous copy has landed
+                        with torch.cuda.stream(stream):
+                            if to_device:
+                                slot.copy_(src[start:end])  # host memcpy, faults here
+                                self._copy_one(dst[start:end], slot)
+                                dst.record_stream(stream)
+                            else:
+                                self._copy_one(slot, src[start:end])
+                                src.record_stream(stream)
+                            done = self._event()
+                            done.record(stream)
+                        if not to_device:
+                            done.synchronize()
+                            dst[start:end].copy_(slot)
+                        pending[turn] = done
+                        turn ^= 1
+            finally:
+                # Every copy that was queued lands before the caller may free a buffer.
+                for event in pending:
+                    if event is not None:
+                        event.synchronize()
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
@@ -473,6 +527,16 @@ class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_ch
 
 
 _PAGE = mmap.PAGESIZE
+_STAGE = 64 * 2**20  # bytes per pinned staging buffer (two of them per CUDA layer)
+
+
+def _pageable_side(pair: CopyPair) -> bool:  # pragma: no cover - CUDA only
+    """A host<->device pair whose host side is not page-locked."""
+    dst, src = pair
+    if dst.is_cuda == src.is_cuda:
+        return False
+    host = src if dst.is_cuda else dst
+    return not host.is_pinned()
 
 
 def _pinned_arena(nbytes: int) -> torch.Tensor:  # pragma: no cover - CUDA only

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import anyio
+import anyio.to_thread
 import torch
 
 from ._device import CopyPair, Tier
@@ -144,7 +146,10 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
                 old.add_pending(unit.nbytes)
                 pairs["device"].append((p.buf, same.host))
                 continue
-            p.buf = new.layer.alloc(unit.nbytes, to)
+            if to == "host" and new.layer.pinned:  # page-locking is slow: off the loop
+                p.buf = await anyio.to_thread.run_sync(new.layer.alloc, unit.nbytes, to)
+            else:
+                p.buf = new.layer.alloc(unit.nbytes, to)
             if to == "device":
                 move._pending += unit.nbytes
                 old.add_pending(unit.nbytes)

@@ -630,6 +630,20 @@ class TensorStore:
         unit.mirror_current = False
         return True
 
+    async def ensure_mirrors(self, units: Sequence[Unit], made: list[Unit]) -> None:
+        """:meth:`ensure_mirror` for each unit, appending those allocated now to ``made``
+        (as they are made: a cancelled caller still knows what to drop). Pinned memory is
+        registered in a worker thread (page-locking is slow): never on the event loop."""
+        def allocate() -> None:
+            for unit in units:
+                if self.ensure_mirror(unit):
+                    made.append(unit)
+
+        if self.layer.pinned and any(u.host is None for u in units):
+            await anyio.to_thread.run_sync(allocate)
+        else:
+            allocate()
+
     def drop_mirror(self, unit: Unit) -> None:
         if unit.where == "host":
             raise AssertionError("cannot drop the mirror of a unit that lives on the host")
@@ -644,8 +658,8 @@ class TensorStore:
         reads from. Returns the bytes copied."""
         units = [u for u in self.units if u.where == "host" and u.host is None]
         pairs: list[CopyPair] = []
+        await self.ensure_mirrors(units, [])
         for unit in units:
-            self.ensure_mirror(unit)
             pairs += self._copy_out_pairs(unit)
         await self.layer.copy(pairs, "host")
         for unit in units:
@@ -737,10 +751,9 @@ class TensorStore:
         move = Move(self, "host", list(units))
         pairs: list[CopyPair] = []
         try:
+            await self.ensure_mirrors(move.units, move.new_mirrors)
             for unit in move.units:
                 assert unit.where == "device"
-                if self.ensure_mirror(unit):
-                    move.new_mirrors.append(unit)
                 if copy_back and unit.dirty():
                     pairs += self._copy_out_pairs(unit)
                     move.bytes_copied += unit.nbytes
