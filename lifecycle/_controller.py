@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -380,10 +381,15 @@ class LifecycleController:
         return None if found is None else found[:2]
 
     async def _transact(self, trigger: str,
-                        prepare: Callable[[list[PreparedMove]], Awaitable[None]]) -> int:
+                        prepare: Callable[[list[PreparedMove]], Awaitable[None]], *,
+                        land: bool = True) -> int:
         """Run ``prepare`` (which appends prepared moves), then commit all of them, or roll
         every one back and raise :class:`TransitionFailed` (cancellation propagates as is).
-        Returns the bytes copied."""
+        Returns the bytes copied. ``land``: first wait for the mirror refreshes weight
+        updates left running (a weight update does not: its write supersedes the refresh of
+        the store it writes, and the others run on)."""
+        if land:
+            await self._land_refreshes()
         moves: list[PreparedMove] = []
         with failures_roll_back(trigger, lambda: self.phase):
             local: BaseException | None = None
@@ -425,13 +431,26 @@ class LifecycleController:
         for move in moves:
             move.commit()
         for move in moves:
-            # After commit: work that cannot undo it (a write's mirror refresh).
+            # After commit: work that cannot undo it (a write starts its mirror refresh,
+            # which runs in the background; its errors are reported when it is landed).
             stale = await move.settle()
             if stale is not None:
-                _log.warning(events.UPDATE_MIRROR_STALE, component=move.store.name,
-                             error=f"{type(stale).__name__}: {stale}", rank=self.rank,
-                             controller=self.id)
+                self._mirror_stale(move.store.name, stale)
         return sum(m.bytes_copied for m in moves)
+
+    async def _land_refreshes(self) -> None:
+        """Wait for every mirror refresh still running after a weight update (only what
+        is in flight: a landed one costs a look-up); report those that failed (their
+        tensors stay stale, so the next sleep copies them)."""
+        for c in self._uses.components.values():
+            stale = await c.strategy.store.land_refresh()
+            if stale is not None:
+                self._mirror_stale(c.name, stale)
+
+    def _mirror_stale(self, component: str, error: BaseException) -> None:
+        _log.warning(events.UPDATE_MIRROR_STALE, component=component,
+                     error=f"{type(error).__name__}: {error}", rank=self.rank,
+                     controller=self.id)
 
     def _commit_phase(self, trigger: str) -> None:
         self._fsm_model.trigger(trigger)  # type: ignore[attr-defined]
@@ -878,8 +897,11 @@ class LifecycleController:
     async def _move_all(self, trigger: str) -> OccupationResult:
         way = _DIRECTIONS[trigger]
         source = self.phase
-        before = self._device_bytes()
         t0 = time.perf_counter()
+        # A sleep right after a weight update waits for the mirror refresh still in flight
+        # (then copies only what it left stale), before counting what is dirty.
+        await self._land_refreshes()
+        before = self._device_bytes()
         if way.resync:
             self._resync_structure(trigger)
         plan = [(c, way.select(c.strategy)) for c in self._uses.components.values()]
@@ -902,7 +924,7 @@ class LifecycleController:
 
         self._transition = trigger
         try:
-            copied = await self._transact(trigger, prepare)
+            copied = await self._transact(trigger, prepare, land=False)  # landed above
         finally:
             self._transition = None
         self._commit_phase(trigger)
@@ -929,6 +951,8 @@ class LifecycleController:
 
     # -- events ------------------------------------------------------------------------
     def _move_event(self, component: str, move: Move, seconds: float) -> None:
+        if not events.wanted(_log, logging.DEBUG):
+            return
         _log.debug(events.MOVE_PREPARED, component=component, to=move.to, units=len(move.units),
                    bytes=move.bytes_copied, seconds=round(seconds, 6),
                    gbps=round(gbps(move.bytes_copied, seconds), 3),
@@ -936,6 +960,8 @@ class LifecycleController:
 
     def _summary(self, trigger: str, source: Phase, copied: int, seconds: float,
                  released: int = 0) -> None:
+        if not events.wanted(_log, logging.INFO):
+            return
         _log.info(events.TRANSITION_COMMITTED, trigger=trigger, source=source.value,
                   dest=self.phase.value, outcome="committed", seconds=round(seconds, 6),
                   bytes=copied, released=released,
@@ -1050,7 +1076,7 @@ class LifecycleController:
 
         self._commit_phase("begin_update")
         try:
-            written = await self._transact(kind, prepare)
+            written = await self._transact(kind, prepare, land=False)
         except GroupBroken:
             raise
         except TransitionFailed as exc:

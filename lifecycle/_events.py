@@ -76,6 +76,7 @@ __all__ = [
     "add_event_sink",
     "configure_logging",
     "get_logger",
+    "wanted",
 ]
 
 _HIDDEN = frozenset({"event", "level", "exc_info", "stack_info"})
@@ -156,6 +157,13 @@ _PROCESSORS: list[structlog.typing.Processor] = [
     structlog.processors.add_log_level,
     _to_stdlib,
 ]
+
+
+def wanted(logger: structlog.stdlib.BoundLogger, level: int) -> bool:
+    """Whether an event at ``level`` (``logging.DEBUG``, ...) from ``logger`` reaches anyone:
+    a sink, or the stdlib logger at that level. Hot paths (a clean sleep) skip building the
+    event's fields when it does not: a disabled event then costs one level comparison."""
+    return bool(_SINKS) or bool(logger._logger.isEnabledFor(level))
 
 
 def get_logger(name: str = "lifecycle") -> structlog.stdlib.BoundLogger:

@@ -164,6 +164,14 @@ def layer_keys(module: nn.Module, lists: Sequence[str] | None = None
     return out
 
 
+def _holders(module: nn.Module, keys: Sequence[str]) -> list[nn.Module]:
+    """``module`` and every submodule a layer (dotted ``keys``) sits in, once each."""
+    names = {""} | {".".join(key.split(".")[:n]) for key in keys
+                    for n in range(1, key.count(".") + 1)}
+    found = {id(m): m for m in (module.get_submodule(name) for name in sorted(names))}
+    return list(found.values())
+
+
 class _ThreadState(threading.local):
     """What one thread's forward has seen: the layer it ran last (to learn successors) and
     the layers of its current root pass, in order (to learn the execution order)."""
@@ -172,6 +180,7 @@ class _ThreadState(threading.local):
         self.last: int | None = None
         self.trace: list[int] | None = None
         self.entered: list[int] = []  # layers whose pre-hook succeeded, innermost last
+        self.depth = 0  # forwards of modules holding layers this thread is in
 
 
 class LayerwiseOffloadStrategy(ResidencyStrategy):
@@ -213,6 +222,14 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
         # layers prefetched for a next pass are released with it.
         self._handles.append(store.module.register_forward_hook(self._after_root,
                                                                 always_call=True))
+        # A pass may also enter below the root (``vae.decode`` runs ``vae.decoder``, never
+        # ``vae.forward``): when the outermost module holding layers returns outside a use,
+        # the pass is over all the same, and its next-pass prefetches go with it (else they
+        # stay in flight, holding device buffers, with nobody left to wait for them).
+        for holder in _holders(store.module, [key for key, _ in layers]):
+            self._handles.append(holder.register_forward_pre_hook(self._enter_holder))
+            self._handles.append(holder.register_forward_hook(self._exit_holder,
+                                                              always_call=True))
 
     def _apply_order(self, order: list[int]) -> None:
         """Resident layers and the first streamed one, counted over ``order`` (execution
@@ -314,6 +331,18 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
                 self._relearn()
                 if not self._running:
                     self._evict_except(set())
+
+    def _enter_holder(self, module: nn.Module, args: Any) -> None:
+        self._thread.depth += 1
+
+    def _exit_holder(self, module: nn.Module, args: Any, output: Any) -> None:
+        state = self._thread
+        state.depth = max(0, state.depth - 1)  # a pre-hook before ours may have raised
+        if state.depth:
+            return
+        with self._lock, _normal_tensors():
+            if not self._pinned and not self._running:
+                self._evict_except(set())
 
     def _relearn(self) -> None:
         """Adopt a learned execution order (only between uses: resident layers change)."""

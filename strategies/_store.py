@@ -40,7 +40,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ._chunks import chunked
 from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
 from ._errors import ResidencyError
-from ._write import WriteMove, WriteSource, prepare_write
+from ._write import WriteMove, WriteSource, land_refresh, prepare_write
 
 __all__ = ["ALIGN", "CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreError", "StoreReport",
            "TensorStore", "Unit", "forget_locals"]
@@ -176,7 +176,11 @@ class Unit:
         """Whether the mirror may differ from the device bytes."""
         if not self.mirror_current:
             return True
-        return any(s.tensor._version != s.version for s in self.slot_list)
+        # A plain loop, not any(generator): a clean sleep runs this once per unit.
+        for s in self.slot_list:  # noqa: SIM110
+            if s.tensor._version != s.version:
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -535,6 +539,8 @@ class TensorStore:
     def refresh_derived(self, units: Iterable[Unit]) -> None:
         """After ``units`` moved: recompute the derived attributes whose parameters are all
         on the device now; release (an empty placeholder) those whose parameters left."""
+        if not self.derived:  # most modules (and a clean sleep's hot path): nothing to do
+            return
         moved = {id(u) for u in units}
         for d in self.derived:
             if any(id(u) in moved for u in d.sources):
@@ -589,8 +595,12 @@ class TensorStore:
         tensor): ``p = nn.Parameter(...)`` assignments, caches a forward re-created."""
         out = []
         for table, key, obj in self._watch:
-            if _lookup_entry(table, key) is not obj:
-                out.append(key if isinstance(key, str) else f"[{key!r}]")
+            try:  # _lookup_entry, inlined: this runs for every tensor before every sleep
+                if table[key] is obj:
+                    continue
+            except (KeyError, IndexError, TypeError):
+                pass
+            out.append(key if isinstance(key, str) else f"[{key!r}]")
         return out
 
     def rescan(self) -> None:
@@ -624,6 +634,7 @@ class TensorStore:
         if unit.host is not None:
             return False
         unit.host = self.layer.alloc(unit.nbytes, "host")
+        self.layer.label(unit.host, self.name, unit.key)
         for st in unit.storages:
             for slot in st.slots:
                 slot.host_view = slot.view_of(unit.host, st.offset)
@@ -709,6 +720,11 @@ class TensorStore:
         """Write new values into tensors, undoably: see :mod:`strategies._write`."""
         return await prepare_write(self, sources, limiter)
 
+    async def land_refresh(self) -> BaseException | None:
+        """Wait for the background mirror refresh a weight update started (if any); returns
+        the error that left mirrors stale (once; the next sleep copies them), else None."""
+        return await land_refresh(self)
+
     def select(self, where: Tier, keys: Iterable[str] | None = None,
                pred: Callable[[Unit], bool] | None = None) -> list[Unit]:
         """Units currently on ``where``, optionally only those in ``keys`` / matching ``pred``."""
@@ -733,6 +749,7 @@ class TensorStore:
             for unit in move.units:
                 assert unit.where == "host" and unit.host is not None
                 buf = self.layer.alloc(unit.nbytes, "device")
+                self.layer.label(buf, self.name, unit.key)
                 move.buffers.append(buf)
                 self.add_pending(unit.nbytes)
                 pairs.append((buf, unit.host))
@@ -751,7 +768,13 @@ class TensorStore:
         move = Move(self, "host", list(units))
         pairs: list[CopyPair] = []
         try:
-            await self.ensure_mirrors(move.units, move.new_mirrors)
+            # A mirror refresh still running after a weight update (strategies._write)
+            # writes these mirrors and reads these device buffers: it lands first.
+            await land_refresh(self)
+            for unit in move.units:  # (a clean sleep: every mirror exists, no await)
+                if unit.host is None:
+                    await self.ensure_mirrors(move.units, move.new_mirrors)
+                    break
             for unit in move.units:
                 assert unit.where == "device"
                 if copy_back and unit.dirty():
@@ -760,7 +783,8 @@ class TensorStore:
                 elif not copy_back and not unit.mirror_current:
                     raise StoreError(f"unit {unit.key!r} of component {self.name!r} has no "
                                      "current host copy to fall back to")
-            await self.copy_pairs(pairs, "host", progress)
+            if pairs:
+                await self.copy_pairs(pairs, "host", progress)
         except BaseException as exc:
             move.rollback()
             forget_locals(exc)
@@ -779,6 +803,7 @@ class TensorStore:
         on the way (two threads never start two fetches of one unit)."""
         assert unit.where == "host" and unit.host is not None
         buf = self.layer.alloc(unit.nbytes, "device")
+        self.layer.label(buf, self.name, unit.key)
         handle = self.layer.start_copy([(buf, unit.host)], "device")
         self.add_pending(unit.nbytes)
         return Fetch(self, unit, buf, handle)

@@ -9,9 +9,27 @@ leaves nothing behind. The prepared :class:`WriteMove` is then
 
 * committed: backups dropped, versions recorded (cannot fail);
 * or undone, when another component's write failed: every written tensor restored;
-* and, after commit, settled: the host mirrors that served as backups are brought up to date
-  from the device, so the next sleep copies nothing. The update is already complete by then:
-  a failure there only leaves the mirror stale (the next sleep copies it).
+* and, after commit, settled: the host mirrors that served as backups are refreshed from the
+  device *in the background* (see below), so the update answers at copy speed and the next
+  sleep still copies nothing.
+
+The background refresh (:class:`MirrorRefresh`): the process's refresh thread (refreshes run
+one at a time, in order) starts the copies through the device layer (the CPU layer's copy
+thread; the device-to-host copy stream on CUDA) chunk by chunk, small chunks first, and waits
+for each, overlapping whatever runs next (forwards only read the weights). Between chunks it
+gives way to any write in progress on the same layer (the next component's update: two
+copies at once share one memory bus, or one link, and the write is what a caller waits for).
+On CUDA a chunk already queued cannot be cancelled, only waited for.
+
+A mirror is never wrong: at commit every refreshed tensor's version is set to a token of
+this refresh (stale), and a landed chunk marks a tensor current only if it still holds that
+token and its device tensor is the one copied from, unchanged since commit (same version
+counter, same address). A failed or cancelled refresh leaves the rest stale:
+the next sleep copies it. Whatever reads or frees what a refresh covers lands it first
+(:func:`land_refresh`: a sleep, a detach, any other transition, an offload's move back to the
+host); the next write into the same store supersedes it (:func:`_supersede`): its remaining
+chunks are cancelled, the one in flight is waited for (the write never races with a copy
+reading the same bytes), and the tensors it left stale join the next refresh.
 
 Backups: a device tensor whose host mirror is current needs none (the mirror is one). Other
 device tensors are backed up on the device when it has room for twice their bytes (no
@@ -20,7 +38,14 @@ device-to-host round trip), on the host otherwise; host-placed tensors on the ho
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+import os
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,15 +54,23 @@ import anyio.to_thread
 import torch
 
 from ._chunks import chunked
-from ._device import CopyPair, Tier
+from ._device import CopyPair, DeviceLayer, Tier
 
 if TYPE_CHECKING:
     from ._store import TensorStore, Unit, _Slot
 
-__all__ = ["WriteMove", "WriteSource", "prepare_write"]
+__all__ = ["MirrorRefresh", "WriteMove", "WriteSource", "land_refresh", "prepare_write",
+           "refresh_pending"]
 
 # Bytes read per loader call (a chunk of sources is read in a worker thread, then written).
 READ_CHUNK = 256 * 2**20
+# Bytes per background refresh copy: the first are small (a write that follows at once
+# waits for, or shares the bandwidth with, one small chunk), then they grow to the last.
+REFRESH_FIRST = 4 * 2**20
+REFRESH_CHUNK = 64 * 2**20
+# Seconds a refresh nobody waits for holds back after a write on its layer ended: the next
+# component's write of the same update follows within about a millisecond.
+WRITE_GRACE = 0.01
 
 
 @dataclass(eq=False)
@@ -91,6 +124,267 @@ def load_chunk(sources: Sequence[WriteSource], dtypes: Sequence[torch.dtype]
     return out
 
 
+_tokens = itertools.count(2)
+
+
+def _token() -> int:
+    """A version no tensor has (negative: stale), unique to one refresh."""
+    return -next(_tokens)
+
+
+@dataclass(eq=False)
+class _Mark:
+    """A tensor a background refresh brings up to date, and what it must still find to say
+    so: its slot still holding the refresh's token, its device tensor unchanged since the
+    commit (version counter and address)."""
+
+    slot: _Slot
+    unit: Unit
+    token: int
+    version: int
+    ptr: int
+
+    @classmethod
+    def of(cls, slot: _Slot, unit: Unit, token: int) -> _Mark:
+        """Mark ``slot`` stale with ``token`` and note the device tensor it is copied from."""
+        t = slot.tensor
+        slot.version = token
+        return cls(slot, unit, token, t._version, t.data_ptr())
+
+    def pending(self) -> bool:
+        """Still stale with this refresh's token (not landed, nothing else since)."""
+        return self.slot.version == self.token
+
+    def unchanged(self) -> bool:
+        """The device tensor is the one copied from, with the bytes it had at commit."""
+        t = self.slot.tensor
+        return t._version == self.version and t.data_ptr() == self.ptr
+
+    def pair(self) -> CopyPair:
+        """(its mirror, its device tensor as committed)."""
+        assert self.slot.host_view is not None
+        return self.slot.host_view, self.slot.tensor.detach()
+
+    def land(self) -> None:
+        """The copy of this tensor landed: the mirror is current, if still true."""
+        if self.pending() and self.unchanged():
+            self.slot.version = self.version
+
+
+def _refreshable(slot: _Slot, unit: Unit) -> bool:
+    """On the device with a mirror that is meaningful (a stale tensor in it can be copied)."""
+    return unit.where == "device" and unit.mirror_current and slot.host_view is not None
+
+
+class MirrorRefresh:
+    """The background refresh of one store's host mirrors after a committed write (see the
+    module doc): the refresh thread copies through the device layer, chunk by chunk."""
+
+    def __init__(self, store: TensorStore, marks: list[_Mark],
+                 after: MirrorRefresh | None = None) -> None:
+        self.store = store
+        self.marks = marks
+        self.nbytes = sum(int(m.slot.tensor.nbytes) for m in marks)
+        self.copied = 0  # bytes landed so far
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self._reported = False
+        self._cancel = threading.Event()
+        self._urgent = threading.Event()  # somebody waits for it: no grace after writes
+        self._done: Future[None] = Future()
+        self._after = after  # a refresh still landing into the same mirrors: wait for it
+
+    def start(self) -> None:
+        """Queue it on the refresh thread (refreshes run one at a time, in order)."""
+        _executor().submit(self._run)
+
+    def _run(self) -> None:
+        try:
+            if self._after is not None:
+                self._after._done.result()
+                self._after = None
+            writes = _writes_on(self.store.layer)
+            for chunk in _growing_chunks(self.marks):
+                writes.wait_idle(self._cancel, self._urgent)  # writes go first
+                if self._cancel.is_set():
+                    self.cancelled = True
+                    return
+                # The device tensors now: a tensor re-pointed since commit is copied from
+                # where it is, and its mark does not land (its address changed).
+                pairs = [m.pair() for m in chunk]
+                try:
+                    self.store.layer.start_copy(pairs, "host").wait_host()
+                finally:
+                    pairs.clear()  # drop the buffers of a landed chunk now
+                for m in chunk:
+                    m.land()
+                self.copied += sum(int(m.slot.tensor.nbytes) for m in chunk)
+        except BaseException as exc:  # what it did not land stays stale
+            traceback.clear_frames(exc.__traceback__)  # frames held the buffers
+            self.error = exc
+        finally:
+            self._done.set_result(None)
+
+    def done(self) -> bool:
+        return self._done.done()
+
+    def cancel(self) -> None:
+        """Copy no further chunk (the one in flight lands); what is left stays stale."""
+        self._cancel.set()
+        self.expedite()  # and the refreshes queued before it, that it waits for
+
+    def expedite(self) -> None:
+        """Somebody waits for it: it copies at once (after a write in progress), and so do
+        the refreshes queued before it on the refresh thread."""
+        for refresh in list(_PENDING.values()):
+            refresh._urgent.set()
+        self._urgent.set()
+        _writes_on(self.store.layer).wake()
+
+    async def wait(self) -> None:
+        """Return once no copy of this refresh is in flight (the event loop keeps serving)."""
+        if not self._done.done():
+            self.expedite()
+            await anyio.to_thread.run_sync(self._done.result, abandon_on_cancel=True)
+
+    def take_error(self) -> BaseException | None:
+        """The error that stopped the refresh, once (for one report)."""
+        if self._reported or self.error is None:
+            return None
+        self._reported = True
+        return self.error
+
+    def leftovers(self) -> list[_Mark]:
+        """Tensors it did not bring up to date that a next refresh can still copy."""
+        return [m for m in self.marks if m.pending() and m.unchanged()]
+
+
+class _Writes:
+    """Writes in progress on one device layer. Background refreshes wait between chunks
+    while there is one, and for :data:`WRITE_GRACE` seconds after the last one ended
+    (an update of several components is one write per component, back to back), unless
+    somebody waits for them: two copies at once share the memory bandwidth (on CUDA: the
+    copy engines), and the write is what its caller waits for."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+        self._ended = 0.0  # time.monotonic() when the last write ended
+
+    def enter(self) -> None:
+        with self._cond:
+            self._count += 1
+
+    def exit(self) -> None:
+        with self._cond:
+            self._count -= 1
+            if not self._count:
+                self._ended = time.monotonic()
+                self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_idle(self, cancel: threading.Event, urgent: threading.Event) -> None:
+        """Until no write is in progress and (unless ``urgent``: awaited) the grace after
+        the last one has passed, or ``cancel``."""
+        with self._cond:
+            while not cancel.is_set():
+                if self._count:
+                    self._cond.wait()
+                    continue
+                left = 0.0 if urgent.is_set() else \
+                    self._ended + WRITE_GRACE - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+
+
+_WRITES: weakref.WeakKeyDictionary[DeviceLayer, _Writes] = weakref.WeakKeyDictionary()
+_WRITES_LOCK = threading.Lock()
+
+
+def _writes_on(layer: DeviceLayer) -> _Writes:
+    with _WRITES_LOCK:
+        writes = _WRITES.get(layer)
+        if writes is None:
+            writes = _WRITES[layer] = _Writes()
+        return writes
+
+
+def _growing_chunks(marks: Sequence[_Mark]) -> Iterator[list[_Mark]]:
+    """``marks`` in chunks of :data:`REFRESH_FIRST` bytes, doubling up to
+    :data:`REFRESH_CHUNK` (one tensor larger than that is a chunk of its own)."""
+    chunk: list[_Mark] = []
+    size, limit = 0, REFRESH_FIRST
+    for m in marks:
+        chunk.append(m)
+        size += int(m.slot.tensor.nbytes)
+        if size >= limit:
+            yield chunk
+            chunk, size, limit = [], 0, min(2 * limit, REFRESH_CHUNK)
+    if chunk:
+        yield chunk
+
+
+_refresher: ThreadPoolExecutor | None = None
+_refresher_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The refresh thread: one per process, started on first need."""
+    global _refresher
+    with _refresher_lock:
+        if _refresher is None:
+            _refresher = ThreadPoolExecutor(1, thread_name_prefix="residency-refresh")
+        return _refresher
+
+
+def _forget_after_fork() -> None:
+    # A forked child inherits no thread: its refreshes never land (their tensors stay
+    # stale, which is safe), so it forgets them, and starts a refresh thread of its own.
+    global _refresher
+    _refresher = None
+    _PENDING.clear()
+
+
+# The refresh in flight (or landed, not yet collected) per store (by identity).
+_PENDING: weakref.WeakKeyDictionary[TensorStore, MirrorRefresh] = weakref.WeakKeyDictionary()
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def refresh_pending(store: TensorStore) -> MirrorRefresh | None:
+    """``store``'s background refresh not landed yet, if any."""
+    return _PENDING.get(store)
+
+
+async def land_refresh(store: TensorStore) -> BaseException | None:
+    """Wait for ``store``'s background refresh (if any) before anything reads or frees what
+    it covers. Returns the error that left part of its mirrors stale (once), else None."""
+    refresh = _PENDING.get(store)
+    if refresh is None:
+        return None
+    await refresh.wait()
+    if _PENDING.get(store) is refresh:
+        del _PENDING[store]
+    return refresh.take_error()
+
+
+async def _supersede(store: TensorStore) -> list[_Mark]:
+    """Before a new write into ``store``: cancel its pending refresh (the chunk in flight
+    lands first, so no copy reads what the write writes); returns the tensors it left stale
+    that the next refresh copies too."""
+    refresh = _PENDING.get(store)
+    if refresh is None:
+        return []
+    refresh.cancel()
+    await refresh.wait()
+    if _PENDING.get(store) is refresh:
+        del _PENDING[store]
+    return refresh.leftovers()
+
+
 @dataclass(eq=False)
 class WriteMove:
     """New values written in place, old ones kept until :meth:`commit` (see module doc)."""
@@ -100,6 +394,10 @@ class WriteMove:
     bytes_copied: int = 0
     units: list[Unit] = field(default_factory=list)
     to: str = "write"
+    # Tensors a superseded refresh left stale (refreshed with this write's), then the tensors
+    # the refresh started by settle covers (marked at commit).
+    leftovers: list[_Mark] = field(default_factory=list)
+    marks: list[_Mark] = field(default_factory=list)
 
     async def _restore(self, targets: Sequence[_Target]) -> None:
         with anyio.CancelScope(shield=True):
@@ -117,34 +415,50 @@ class WriteMove:
         """Synchronous :meth:`undo` (blocks until the restore copy has landed)."""
         pairs = [t.restore_pair() for t in self.targets]
         if pairs:
-            self.store.layer.start_copy(pairs, _tier(pairs, self.store)).wait()
-            self.store.layer.synchronize()
+            # The host waits for this restore copy alone (the backups are dropped next).
+            self.store.layer.start_copy(pairs, _tier(pairs, self.store)).wait_host()
         for t in self.targets:
             t.forget_write()
         self._drop_backups()
 
     def commit(self) -> None:
         """Keep the new values: backups dropped; host-placed tensors are clean (the host
-        store is the written copy), device tensors dirty until :meth:`settle`."""
+        store is the written copy), device tensors stale until the refresh :meth:`settle`
+        starts lands them (those without a meaningful mirror: until the next sleep)."""
         self._drop_backups()
+        token = _token()
+        written = set()
         for t in self.targets:
-            t.slot.version = t.slot.tensor._version if t.unit.where == "host" else -1
+            slot = t.slot
+            written.add(id(slot))
+            if t.unit.where == "host":
+                slot.version = slot.tensor._version
+            elif _refreshable(slot, t.unit):
+                self.marks.append(_Mark.of(slot, t.unit, token))
+            else:
+                slot.version = -1
+        for m in self.leftovers:
+            if id(m.slot) not in written and m.pending() and m.unchanged() \
+                    and _refreshable(m.slot, m.unit):
+                self.marks.append(_Mark.of(m.slot, m.unit, token))
+        self.leftovers = []
         self.store.refresh_derived(self.units)
 
     async def settle(self) -> BaseException | None:
-        """Bring the mirrors that were backups up to date; returns the error that left them
-        stale instead of raising (the write itself is committed)."""
-        targets = [t for t in self.targets if t.mirrored]
-        pairs: list[CopyPair] = []
-        for t in targets:
-            assert t.slot.host_view is not None
-            pairs.append((t.slot.host_view, t.live))
+        """Start refreshing the mirrors of the written device tensors in the background
+        (see the module doc) and return at once: the write is committed and usable, and the
+        refresh overlaps what runs next. Returns the error that kept it from starting (the
+        tensors stay stale: the next sleep copies them), else None; an error of the copies
+        themselves is returned by :func:`land_refresh`."""
+        marks, self.marks = self.marks, []
+        if not marks:
+            return None
+        refresh = MirrorRefresh(self.store, marks, after=_PENDING.get(self.store))
         try:
-            await self.store.copy_pairs(pairs, "host")
-        except Exception as exc:
+            refresh.start()
+        except Exception as exc:  # no thread to be had: stale until the next sleep
             return exc
-        for t in targets:
-            t.slot.version = t.slot.tensor._version
+        _PENDING[self.store] = refresh
         return None
 
     def _drop_backups(self) -> None:
@@ -164,6 +478,7 @@ def _backup(t: _Target, store: TensorStore, on_device: bool) -> torch.Tensor:
 async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
                         limiter: anyio.CapacityLimiter | None = None) -> WriteMove:
     """Back up, then write every source into ``store``'s live tensors (see module doc)."""
+    leftovers = await _supersede(store)
     targets = []
     for source in sources:
         slot, unit = store.slot_named(source.name)
@@ -171,11 +486,14 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
                     and slot.host_view is not None and slot.version == slot.tensor._version)
         targets.append(_Target(slot, unit, source, mirrored,
                                slot.version == slot.tensor._version))
-    move = WriteMove(store, targets, units=list({id(t.unit): t.unit for t in targets}.values()))
+    move = WriteMove(store, targets, units=list({id(t.unit): t.unit for t in targets}.values()),
+                     leftovers=leftovers)
     device = [t for t in targets if not t.mirrored and t.live.device.type != "cpu"]
     free = store.layer.free_bytes()
     backup_on_device = free is None or free > 2 * sum(t.nbytes for t in device)
     written: list[_Target] = []
+    writes = _writes_on(store.layer)
+    writes.enter()  # background refreshes (of other stores) pause meanwhile
     try:
         for t in targets:
             if not t.mirrored:
@@ -196,5 +514,7 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
         await move._restore(written)
         move._drop_backups()
         raise
+    finally:
+        writes.exit()
     move.bytes_copied = sum(t.nbytes for t in targets)
     return move

@@ -11,6 +11,11 @@ every copy and allocation so a test can enumerate every failure point::
     for k in range(1, probe.copies + 1):
         layer = FaultyDevice(fail_copy_at=k)
         ...
+
+:class:`OrderingDevice` (and :class:`OrderingFaultyDevice`, the same with fault injection)
+runs the CUDA path's ordering on CPU: copies land late and only when waited for, poison (NaN)
+until then, and a buffer freed, overwritten or read out of order is reported
+(:class:`OrderingViolation`); see :mod:`strategies._ordering`.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from typing import Any
 import torch
 
 from ._device import CpuDevice, CudaDevice, DeviceLayer, Tier, resolve_device
+from ._ordering import POISON, OrderingDevice, OrderingViolation, check_ordering
 
-__all__ = ["FaultInjection", "FaultyDevice", "InjectedFault", "faulty_device_layer"]
+__all__ = ["POISON", "FaultInjection", "FaultyDevice", "InjectedFault", "OrderingDevice",
+           "OrderingFaultyDevice", "OrderingViolation", "check_ordering", "faulty_device_layer"]
 
 
 class InjectedFault(RuntimeError):
@@ -98,6 +105,22 @@ class FaultyDevice(FaultInjection, CpuDevice):
                  alloc_delay: float = 0.0, jitter: float = 0.0, seed: int = 0) -> None:
         super().__init__(device, fail_copy_at=fail_copy_at, fail_alloc_at=fail_alloc_at,
                          copy_delay=copy_delay, alloc_delay=alloc_delay, jitter=jitter, seed=seed)
+
+
+class OrderingFaultyDevice(FaultInjection, OrderingDevice):
+    """:class:`FaultyDevice` on the ordering layer (:class:`OrderingDevice`: copies land
+    late, only when waited for, and every ordering mistake is reported). Copies are counted,
+    delayed and failed where they start (as CUDA enqueues them); ``ordering_seed`` seeds the
+    landing delays (default: ``seed``), each up to ``max_delay`` seconds."""
+
+    def __init__(self, device: torch.device | None = None, *, fail_copy_at: int | None = None,
+                 fail_alloc_at: int | None = None, copy_delay: float = 0.0,
+                 alloc_delay: float = 0.0, jitter: float = 0.0, seed: int = 0,
+                 ordering_seed: int | None = None, max_delay: float = 0.002) -> None:
+        super().__init__(device, fail_copy_at=fail_copy_at, fail_alloc_at=fail_alloc_at,
+                         copy_delay=copy_delay, alloc_delay=alloc_delay, jitter=jitter, seed=seed)
+        self.max_delay = max_delay
+        self._ord_delays = random.Random(seed if ordering_seed is None else ordering_seed)
 
 
 class FaultyCudaDevice(FaultInjection, CudaDevice):  # pragma: no cover - CUDA only

@@ -35,7 +35,7 @@ from lifecycle import LifecycleController, configure_logging
 from lifecycle._checkpoint import gbps, unique_tensors
 from lifecycle.demo import DemoPipeline, parse_size
 
-__all__ = ["base_options", "pipeline_options", "run"]
+__all__ = ["base_options", "pipeline_options", "reference_sleep", "reference_wake", "run"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # glibc mallopt(M_MMAP_THRESHOLD, M_TRIM_THRESHOLD) per --malloc policy (see set_malloc)
@@ -84,17 +84,33 @@ def repoint_copies(pipe: DemoPipeline) -> None:
             t.data = fresh
 
 
-def bench_reference(pipe: DemoPipeline, device: torch.device, repeats: int) -> dict[str, float]:
-    def move(to: torch.device) -> None:
-        for module in pipe.modules.values():
-            module.to(to)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+def reference_sleep(pipe: DemoPipeline, device: torch.device) -> None:
+    """The reference's sleep: ``module.to("cpu")`` into fresh host memory (on a CPU device,
+    where ``.to`` is a no-op, what it would do: :func:`repoint_copies`)."""
+    if device.type != "cuda":
+        repoint_copies(pipe)
+        return
+    for module in pipe.modules.values():
+        module.to(torch.device("cpu"))
+    torch.cuda.empty_cache()
 
-    if device.type == "cuda":
-        sleep_fn, wake_fn = (lambda: move(torch.device("cpu"))), (lambda: move(device))
-    else:
-        sleep_fn = wake_fn = lambda: repoint_copies(pipe)
+
+def reference_wake(pipe: DemoPipeline, device: torch.device) -> None:
+    """The reference's wake: ``module.to(device)`` (CPU: :func:`repoint_copies`)."""
+    if device.type != "cuda":
+        repoint_copies(pipe)
+        return
+    for module in pipe.modules.values():
+        module.to(device)
+
+
+def bench_reference(pipe: DemoPipeline, device: torch.device, repeats: int) -> dict[str, float]:
+    def sleep_fn() -> None:
+        reference_sleep(pipe, device)
+
+    def wake_fn() -> None:
+        reference_wake(pipe, device)
+
     sleeps, wakes = [], []
     for i in range(repeats + 1):  # the first cycle is the warm-up
         s, w = timed(sleep_fn, device), timed(wake_fn, device)

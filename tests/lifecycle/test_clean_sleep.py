@@ -1,0 +1,147 @@
+"""A clean sleep (nothing changed since the mirrors were made) moves no byte: it re-points
+tensors and releases device storages, with no thread hop and no event built for nobody."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import anyio.to_thread
+import pytest
+import torch
+from torch import nn
+
+import lifecycle._controller as controller
+from lifecycle import LifecycleController
+from lifecycle._events import MOVE_PREPARED, TRANSITION_COMMITTED, add_event_sink, get_logger, wanted
+from strategies import CpuDevice, DeviceLayer
+from tests.helpers import fingerprints, layer, run_pipeline, small_pipeline
+
+pytestmark = pytest.mark.anyio
+
+
+async def slept_once() -> tuple[LifecycleController, dict[str, nn.Module]]:
+    """An attached pipeline (in eval mode: a training-mode forward may write buffers without
+    a version bump, so it marks them stale) whose host mirrors are current."""
+    pipe = small_pipeline()
+    for module in pipe.values():
+        module.eval()
+    ctl = LifecycleController(device_layer=CpuDevice())  # (the ordering layer syncs)
+    await ctl.attach(pipe)
+    await ctl.sleep()
+    await ctl.wake()
+    return ctl, pipe
+
+
+async def test_a_clean_sleep_moves_no_byte_and_never_hops_to_a_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing changed since the last sleep (a forward only read the weights): the sleep
+    copies nothing, starts no worker thread (on the CPU layer: nothing to synchronize),
+    releases every device byte, and the wake gives the same weights and outputs."""
+    ctl, pipe = await slept_once()
+    before, outputs = fingerprints(pipe), run_pipeline(pipe)
+    hops: list[Callable[..., Any]] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def counted(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        hops.append(func)
+        return await run_sync(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+    result = await ctl.sleep()
+    monkeypatch.undo()
+    assert result.success and result.bytes_moved == 0 and hops == []
+    assert result.bytes_released == sum(ctl.strategy(n).store.nbytes for n in ctl.components)
+    assert ctl.report().device_bytes == 0
+    await ctl.wake()
+    assert fingerprints(pipe) == before
+    assert all(torch.equal(a, b) for a, b in zip(run_pipeline(pipe), outputs, strict=True))
+    await ctl.aclose()
+
+
+async def test_events_are_not_built_when_nobody_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no sink and the library's loggers above info, a sleep builds neither its summary
+    nor its per-component events (their fields are never computed); with a sink, both are."""
+    logging.getLogger("lifecycle").setLevel(logging.WARNING)
+    try:
+        assert not wanted(get_logger("lifecycle"), logging.INFO)
+        ctl, _ = await slept_once()
+
+        def boom(*_: object) -> float:
+            raise AssertionError("an event's fields were computed for nobody")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(controller, "gbps", boom)
+            assert (await ctl.sleep()).success
+        await ctl.wake()
+        seen: list[dict[str, Any]] = []
+        remove = add_event_sink(lambda e: seen.append(dict(e)))
+        try:
+            assert wanted(get_logger("lifecycle"), logging.DEBUG)
+            assert (await ctl.sleep()).success
+        finally:
+            remove()
+        names = [e["event"] for e in seen]
+        assert names.count(MOVE_PREPARED) == len(ctl.components)
+        summary = [e for e in seen if e["event"] == TRANSITION_COMMITTED]
+        assert [(e["trigger"], e["bytes"]) for e in summary] == [("sleep", 0)]
+        await ctl.aclose()
+    finally:
+        logging.getLogger("lifecycle").setLevel(logging.NOTSET)
+
+
+async def test_a_change_after_a_clean_sleep_is_still_copied() -> None:
+    """The fast checks still see a change: one tensor written in place is copied at the next
+    sleep (only its unit), and the woken weights hold the change."""
+    ctl, pipe = await slept_once()
+    assert (await ctl.sleep()).bytes_moved == 0
+    await ctl.wake()
+    weight = layer(pipe["transformer"], 0, nn.Linear).weight
+    with torch.no_grad():
+        weight.add_(1.0)
+    expected = fingerprints(pipe)
+    result = await ctl.sleep()
+    assert result.bytes_moved == weight.nbytes
+    await ctl.wake()
+    assert fingerprints(pipe) == expected
+    await ctl.aclose()
+
+
+class FinalizerCounted(CpuDevice):
+    """The CPU layer counting held bytes as :class:`DeviceLayer` does (a finalizer per
+    storage, counted down at once): the reference for the lazily drained count."""
+
+    track = DeviceLayer.track
+    reset_peak = DeviceLayer.reset_peak
+    held_bytes = 0  # a plain attribute again
+
+
+async def test_the_cpu_layer_counts_held_bytes_exactly_across_sleeps() -> None:
+    """The CPU layer's held device bytes (deaths drained lazily) and its peak equal those of
+    the finalizer count after every sleep, wake and allocation."""
+    lazy, counted = CpuDevice(), FinalizerCounted()
+    ctls = [LifecycleController(device_layer=layer) for layer in (lazy, counted)]
+    for ctl in ctls:
+        await ctl.attach(small_pipeline())
+    nbytes = ctls[0].report().device_bytes
+    for _ in range(5):
+        for ctl in ctls:
+            await ctl.sleep()
+        gc.collect()
+        assert lazy.held_bytes == counted.held_bytes < nbytes
+        for ctl in ctls:
+            await ctl.wake()
+        assert lazy.held_bytes == counted.held_bytes >= nbytes
+    assert lazy.peak_bytes == counted.peak_bytes
+    lazy.reset_peak()
+    counted.reset_peak()
+    assert lazy.peak_bytes == counted.peak_bytes == lazy.held_bytes
+    held = lazy.held_bytes
+    extra = lazy.alloc(1000, "device")
+    assert lazy.held_bytes == held + 1000 == lazy.peak_bytes
+    del extra
+    assert lazy.held_bytes == held
+    for ctl in ctls:
+        await ctl.aclose()
