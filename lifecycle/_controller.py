@@ -201,7 +201,9 @@ class LifecycleController:
         self._admission = Admission(drain_timeout, admission_timeout)
         self._fsm_model = _PhaseModel()
         self._fsm = _build_machine(self._fsm_model)
-        self._lock = anyio.Lock()
+        # fast_acquire: an uncontended acquire does not yield to the loop (a clean sleep is
+        # bookkeeping only; the moves themselves checkpoint between chunks).
+        self._lock = anyio.Lock(fast_acquire=True)
         self._uses = Uses(self._admission, self._layer, lambda: self.phase, self.wake, rank,
                           self.id)
         self._uses.auto_wake = auto_wake
