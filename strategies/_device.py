@@ -115,6 +115,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+class _Death(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a tracked storage that remembers what it was counted for."""
+
+    __slots__ = ("key", "nbytes")
+    key: int
+    nbytes: int
+
+
 class DeviceLayer:
     """Allocation and copies for one device and its host tier.
 
@@ -135,13 +143,15 @@ class DeviceLayer:
         self.allocations = 0
         self.host_allocations = 0
         # Device bytes held by the library: every device buffer this layer allocated and
-        # every adopted storage, counted from birth until the storage is really freed (a
-        # finalizer on the storage object, which torch keeps unique per storage), so copies in
-        # flight and buffers kept alive by stray references count too.
+        # every adopted storage, counted from birth until the storage is really freed (a weak
+        # reference to the storage object, which torch keeps unique per storage), so copies
+        # in flight and buffers kept alive by stray references count too.
         self._held_lock = threading.Lock()
         self._held: dict[int, int] = {}  # id(storage) -> bytes, while it lives
-        self.held_bytes = 0
+        self._held_total = 0
         self.peak_bytes = 0
+        self._dead: list[_Death] = []  # appended to by the death of a tracked storage
+        self._deaths: dict[int, _Death] = {}  # id(storage) -> its live weak reference
 
     # -- allocation ----------------------------------------------------------------
     def alloc(self, nbytes: int, tier: Tier, *, pinned: bool | None = None) -> torch.Tensor:
@@ -158,6 +168,32 @@ class DeviceLayer:
         return buf
 
     # -- peak tracking ---------------------------------------------------------------
+    # A tracked storage's death costs a C-level list append (its weak reference's callback),
+    # not a Python finalizer (about 1 us each, and a clean sleep frees every device
+    # storage): deaths are drained into ``held_bytes`` whenever it is read and before every
+    # new storage is counted, so every read is exact.
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes held by the library now (see ``__init__``)."""
+        with self._held_lock:
+            self._drain()
+            return self._held_total
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the bytes held now (and the allocator's own)."""
+        with self._held_lock:
+            self._drain()
+            self.peak_bytes = self._held_total
+
+    def _drain(self) -> None:
+        """Uncount the storages that died since (under ``_held_lock``)."""
+        dead = self._dead
+        while dead:
+            death = dead.pop()
+            if self._deaths.get(death.key) is death:
+                del self._deaths[death.key]
+                self._held_total -= self._held.pop(death.key, 0)
+
     def track(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as held on the device until it is freed (once per
         storage; host tensors and storages already counted are ignored)."""
@@ -166,22 +202,16 @@ class DeviceLayer:
         storage = tensor.untyped_storage()
         key = id(storage)
         with self._held_lock:
+            self._drain()  # first: a storage that died may have had this id
             if key in self._held:
                 return
             nbytes = int(storage.nbytes())
             self._held[key] = nbytes
-            self.held_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        weakref.finalize(storage, self._untrack, key)
-
-    def _untrack(self, key: int) -> None:
-        with self._held_lock:
-            self.held_bytes -= self._held.pop(key, 0)
-
-    def reset_peak(self) -> None:
-        """Start a new high-water mark from the bytes held now (and the allocator's own)."""
-        with self._held_lock:
-            self.peak_bytes = self.held_bytes
+            self._held_total += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._held_total)
+            death = _Death(storage, self._dead.append)
+            death.key, death.nbytes = key, nbytes
+            self._deaths[key] = death
 
     def allocator_peak(self) -> int | None:
         """The allocator's own high-water mark (CUDA ``max_memory_allocated``); None on CPU."""
@@ -290,69 +320,13 @@ class DeviceLayer:
         if used after."""
 
 
-class _Death(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a tracked storage that remembers what it was counted for."""
-
-    __slots__ = ("key", "nbytes")
-    key: int
-    nbytes: int
-
-
 class CpuDevice(DeviceLayer):
-    """CPU tensors as the device tier; copies run in one worker thread per layer.
-
-    Peak tracking as :class:`DeviceLayer`'s, counted the same, but a storage's death costs a
-    C-level list append instead of a Python finalizer (about 1 us each, and a clean sleep
-    frees every device storage): deaths are drained into :attr:`held_bytes` whenever it is
-    read and before every new storage is counted, so every read is exact."""
+    """CPU tensors as the device tier; copies run in one worker thread per layer."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         super().__init__(device or torch.device("cpu"))
         self._limiter = anyio.CapacityLimiter(1)
         self._copier: ThreadPoolExecutor | None = None
-        self._dead: list[_Death] = []  # appended to by the death of a tracked storage
-        self._deaths: dict[int, _Death] = {}  # id(storage) -> its live weak reference
-
-    @property
-    def held_bytes(self) -> int:
-        with self._held_lock:
-            self._drain()
-            return self._held_total
-
-    @held_bytes.setter
-    def held_bytes(self, value: int) -> None:
-        self._held_total = value
-
-    def reset_peak(self) -> None:
-        with self._held_lock:
-            self._drain()
-            self.peak_bytes = self._held_total
-
-    def _drain(self) -> None:
-        """Uncount the storages that died since (under ``_held_lock``)."""
-        dead = self._dead
-        while dead:
-            death = dead.pop()
-            if self._deaths.get(death.key) is death:
-                del self._deaths[death.key]
-                self._held_total -= self._held.pop(death.key, 0)
-
-    def track(self, tensor: torch.Tensor) -> None:
-        if tensor.device != self.device:
-            return
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        with self._held_lock:
-            self._drain()  # first: a storage that died may have had this id
-            if key in self._held:
-                return
-            nbytes = int(storage.nbytes())
-            self._held[key] = nbytes
-            self._held_total += nbytes
-            self.peak_bytes = max(self.peak_bytes, self._held_total)
-            death = _Death(storage, self._dead.append)
-            death.key, death.nbytes = key, nbytes
-            self._deaths[key] = death
 
     def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
         # The CPU stand-in for a copy stream: one background thread, in submission order.

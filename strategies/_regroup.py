@@ -154,12 +154,8 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
                 move._pending += unit.nbytes
                 old.add_pending(unit.nbytes)
             for st in unit.storages:
-                _, on_dev, on_host = old.locate(old_of[id(st)])
-                # Prefer the copy already on the target tier (no trip over the link).
-                source = (on_dev if on_dev is not None else on_host) if to == "device" \
-                    else (on_host if on_host is not None else on_dev)
-                assert source is not None
-                pairs[to].append((p.buf[st.offset:st.offset + st.nbytes], source))
+                pairs[to].append((p.buf[st.offset:st.offset + st.nbytes],
+                                  old.source_of(old_of[id(st)], to)))
         for to in ("host", "device"):
             if pairs[to]:
                 await new.copy_pairs(pairs[to], to, progress)
@@ -223,11 +219,8 @@ async def prepare_restore(store: TensorStore, progress: Progress | None = None) 
         for (_, nbytes), storages in groups.items():
             buf = store.layer.alloc(nbytes, "host", pinned=False)
             move.buffers.append((storages, buf))
-            for st in storages:
-                _, on_dev, on_host = store.locate(st)
-                source = on_host if on_host is not None else on_dev
-                assert source is not None
-                pairs.append((buf[st.base:st.base + st.nbytes], source))
+            pairs += [(buf[st.base:st.base + st.nbytes], store.source_of(st, "host"))
+                      for st in storages]
         await store.copy_pairs(pairs, "host", progress)
         move.bytes_copied = sum(int(d.nbytes) for d, _ in pairs)
     except BaseException as exc:

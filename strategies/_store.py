@@ -301,13 +301,6 @@ class _Registration:
     key: object
 
 
-def _lookup_entry(table: Any, key: object) -> object:
-    try:
-        return table[key]
-    except (KeyError, IndexError, TypeError):
-        return None
-
-
 @dataclass(eq=False)
 class _Derived:
     """A tensor attribute a forward pre-hook recomputes from the module's parameters on every
@@ -446,18 +439,18 @@ class TensorStore:
             slots[id(t)].names.append(r.name)
             if r.kind == "buffer":
                 self._buffers_of.setdefault(id(r.owner), []).append(slots[id(t)])
-        storages: dict[tuple[str, int], _Storage] = {}
         if self._layout is not None:
-            storages = self._storages_from(self._layout, slots)
-        for slot in (slots.values() if self._layout is None else ()):
-            st = slot.tensor.untyped_storage()
-            key = (str(slot.tensor.device), st.data_ptr())
-            if key not in storages:
-                storages[key] = _Storage(st.nbytes(), [])
-            storages[key].slots.append(slot)
+            regions = self._storages_from(self._layout, slots)
+        else:
+            storages: dict[tuple[str, int], _Storage] = {}
+            for slot in slots.values():
+                st = slot.tensor.untyped_storage()
+                key = (str(slot.tensor.device), st.data_ptr())
+                if key not in storages:
+                    storages[key] = _Storage(st.nbytes(), [])
+                storages[key].slots.append(slot)
+            regions = [r for st_ in storages.values() for r in _split(st_)]
         grouped: dict[str, list[_Storage]] = {}
-        regions = [r for st_ in storages.values() for r in
-                   (_split(st_) if self._layout is None else [st_])]
         for st_ in regions:
             grouped.setdefault(self._unit_key(st_), []).append(st_)
         self.units = []
@@ -483,15 +476,14 @@ class TensorStore:
         self._inventory_derived(slots)
         self.fsdp_bytes = sum(fsdp_owned.values())
 
-    def _storages_from(self, layout: TensorStore, slots: dict[int, _Slot]
-                       ) -> dict[tuple[str, int], _Storage]:
+    def _storages_from(self, layout: TensorStore, slots: dict[int, _Slot]) -> list[_Storage]:
         """``layout``'s storages over this inventory's slots (same tensors, same offsets)."""
         old = {id(s.tensor): s for u in layout.units for s in u.slot_list}
         if old.keys() != slots.keys():
             raise StoreError(f"component {self.name!r} changed structure since it was "
                              "attached (tensors replaced, added or removed); cannot regroup it")
-        out: dict[tuple[str, int], _Storage] = {}
-        for i, st in enumerate(layout.storages()):
+        out: list[_Storage] = []
+        for st in layout.storages():
             new_slots = []
             for s in st.slots:
                 slot = slots[id(s.tensor)]
@@ -499,12 +491,21 @@ class TensorStore:
                 new_slots.append(slot)
             # ``base`` is where the region sits in the storage the tensors view *now*:
             # wherever the old store placed it, its bytes are found through ``locate``.
-            out[("layout", i)] = _Storage(st.nbytes, new_slots, base=st.base, origin=st.origin)
+            out.append(_Storage(st.nbytes, new_slots, base=st.base, origin=st.origin))
         return out
 
     def storages(self) -> list[_Storage]:
         """Every storage, in unit order."""
         return [st for u in self.units for st in u.storages]
+
+    def source_of(self, st: _Storage, to: Tier) -> torch.Tensor:
+        """Storage ``st``'s current bytes to copy to tier ``to``: the copy already on that
+        tier when there is one (no trip over the link), else the other."""
+        _, on_device, on_host = self.locate(st)
+        first, second = (on_device, on_host) if to == "device" else (on_host, on_device)
+        source = first if first is not None else second
+        assert source is not None
+        return source
 
     def locate(self, st: _Storage) -> tuple[Unit, torch.Tensor | None, torch.Tensor | None]:
         """Where storage ``st``'s bytes are now: its unit, a device view and a host view of
@@ -595,7 +596,7 @@ class TensorStore:
         tensor): ``p = nn.Parameter(...)`` assignments, caches a forward re-created."""
         out = []
         for table, key, obj in self._watch:
-            try:  # _lookup_entry, inlined: this runs for every tensor before every sleep
+            try:  # a plain look-up: this runs for every tensor before every sleep
                 if table[key] is obj:
                     continue
             except (KeyError, IndexError, TypeError):
