@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from strategies import TensorStore, WriteSource
+from strategies._fileread import FileRegion, safetensors_regions
 
 from . import _events as events
 from ._events import get_logger
@@ -50,6 +51,7 @@ class _Write:
     name: str
     load: Callable[[], torch.Tensor]
     nbytes: int
+    region: FileRegion | None = None
 
 
 @dataclass(eq=False)
@@ -67,7 +69,8 @@ class UpdatePlan:
 
     def sources(self, component: str) -> list[WriteSource]:
         """What to write into ``component``, in plan order."""
-        return [WriteSource(w.name, w.load) for w in self.writes if w.component == component]
+        return [WriteSource(w.name, w.load, w.region) for w in self.writes
+                if w.component == component]
 
     def close(self) -> None:
         for h in self.handles:
@@ -100,7 +103,7 @@ class _Planner:
         self.unknown: list[str] = []
 
     def add(self, component: str, name: str, shape: Sequence[int], dtype: torch.dtype,
-            load: Callable[[], torch.Tensor]) -> None:
+            load: Callable[[], torch.Tensor], region: FileRegion | None = None) -> None:
         model = self.stores[component].tensor_named(name)
         if model is None:
             self.unknown.append(f"{component}.{name}")
@@ -119,7 +122,7 @@ class _Planner:
         self._seen[id(model)] = (label, load)
         if dtype != model.dtype:
             self.plan.casts.append(f"{component}.{name}: {dtype} -> {model.dtype}")
-        self.plan.writes.append(_Write(component, name, load, model.nbytes))
+        self.plan.writes.append(_Write(component, name, load, model.nbytes, region))
 
     def finish(self, components: Sequence[str]) -> UpdatePlan:
         if self.unknown:
@@ -180,6 +183,10 @@ def _open(path: Path, plan: UpdatePlan) -> Any:
 
 def _add_file(planner: _Planner, f: Any, path: Path, component: str | None,
               components: set[str]) -> None:
+    try:
+        regions = safetensors_regions(path)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        regions = {}  # safe_open read it: the loader still can (bytes twice, not once)
     for key in sorted(f.keys()):
         sl = f.get_slice(key)
         dtype = _ST_DTYPES.get(sl.get_dtype())
@@ -195,7 +202,10 @@ def _add_file(planner: _Planner, f: Any, path: Path, component: str | None,
                 continue
             name = key[len(comp) + 1:]
         components.add(comp)
-        planner.add(comp, name, sl.get_shape(), dtype, functools.partial(f.get_tensor, key))
+        at = regions.get(key)
+        region = None if at is None else FileRegion(str(path), at[0], at[1], dtype)
+        planner.add(comp, name, sl.get_shape(), dtype, functools.partial(f.get_tensor, key),
+                    region)
 
 
 def plan_from_disk(stores: Mapping[str, TensorStore], path: str | os.PathLike[str],

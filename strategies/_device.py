@@ -306,6 +306,14 @@ class DeviceLayer:
     def for_compute(self, buf: torch.Tensor) -> None:
         """``buf`` (a moved-in device buffer) is read by compute from now on."""
 
+    def host_writes(self, t: torch.Tensor, tier: Tier) -> bool:
+        """Whether the host may write ``t`` (placed on ``tier``) itself, now (a file read
+        straight into it): memory the host addresses (CPU tensors: the CPU layer's device
+        tier, any host tier), with no copy of this layer still touching it. Transitions wait for the
+        device's queued work before they write (:attr:`needs_sync`), and a write lands or
+        supersedes the store's mirror refresh first, so no copy of ours is in flight here."""
+        return t.device.type == "cpu"
+
     def label(self, buf: torch.Tensor, component: str, unit: str) -> None:
         """``buf`` (a device buffer or host mirror this layer allocated) holds ``unit`` of
         ``component``: test layers name it in their reports (no-op here)."""

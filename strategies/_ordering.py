@@ -237,6 +237,22 @@ class OrderingDevice(CpuDevice):
                                    f"{c.describe()} was waited for: kernels would read it "
                                    "before the copy landed")
 
+    def host_writes(self, t: torch.Tensor, tier: Tier) -> bool:
+        """Device-tier memory is the device's (CUDA: the host cannot write it): no. Host-tier
+        memory: yes, unless a copy not yet waited for by the host reads or writes it, which
+        is an ordering violation (the host would race with the copy)."""
+        self._ord_raise_recorded()
+        side = _Side.of(t, tier)
+        if tier == "device" or side.tier == "device":
+            return False
+        with self._ord_lock:
+            for c, role in self._ord_by_ptr.get(side.ptr, ()):
+                if not c.retired and getattr(c, role).overlaps(side):
+                    what = "writes" if role == "dst" else "reads"
+                    self._ord_fail(f"the host writes {side.describe()} while {c.describe()} "
+                                   f"still {what} it")
+        return True
+
     # -- violations ------------------------------------------------------------------------
     def _ord_fail(self, message: str) -> None:
         """Record and raise at once."""

@@ -55,6 +55,7 @@ import torch
 
 from ._chunks import chunked
 from ._device import CopyPair, DeviceLayer, Tier
+from ._fileread import FileRegion, read_regions
 
 if TYPE_CHECKING:
     from ._store import TensorStore, Unit, _Slot
@@ -75,10 +76,13 @@ WRITE_GRACE = 0.01
 
 @dataclass(eq=False)
 class WriteSource:
-    """A new value for the tensor named ``name`` (any of its names), read by ``load``."""
+    """A new value for the tensor named ``name`` (any of its names), read by ``load``;
+    ``region``: where its bytes are in a file, when the host may read them straight into
+    the tensor instead (:mod:`strategies._fileread`)."""
 
     name: str
     load: Callable[[], torch.Tensor]
+    region: FileRegion | None = None
 
 
 @dataclass(eq=False)
@@ -492,7 +496,8 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
     free = store.layer.free_bytes()
     backup_on_device = free is None or free > 2 * sum(t.nbytes for t in device)
     written: list[_Target] = []
-    writes = _writes_on(store.layer)
+    layer = store.layer
+    writes = _writes_on(layer)
     writes.enter()  # background refreshes (of other stores) pause meanwhile
     try:
         for t in targets:
@@ -501,11 +506,25 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
         pairs = [(t.backup, t.live) for t in targets if t.backup is not None]
         await store.copy_pairs(pairs, _tier(pairs, store))
         for chunk in chunked(targets, lambda t: t.nbytes, READ_CHUNK):
+            # File bytes the host may write straight into the live tensor: one copy (no
+            # loaded tensor, no page faults on the file's mapping). Counted as written
+            # before the read starts: a failed read leaves them half-written.
+            direct = [t for t in chunk if t.source.region is not None
+                      and t.source.region.fits(t.live) and layer.host_writes(t.live, t.unit.where)]
+            rest = chunk
+            if direct:
+                written += direct
+                await read_regions([(t.live, t.source.region) for t in direct
+                                    if t.source.region is not None], limiter)
+                read = {id(t) for t in direct}
+                rest = [t for t in chunk if id(t) not in read]
+                if not rest:
+                    continue
             values = await anyio.to_thread.run_sync(
-                load_chunk, [t.source for t in chunk], [t.slot.tensor.dtype for t in chunk],
+                load_chunk, [t.source for t in rest], [t.slot.tensor.dtype for t in rest],
                 limiter=limiter)
-            written += chunk
-            pairs = [(t.live, v) for t, v in zip(chunk, values, strict=True)]
+            written += rest
+            pairs = [(t.live, v) for t, v in zip(rest, values, strict=True)]
             await store.copy_pairs(pairs, _tier(pairs, store))
     except BaseException as exc:
         from ._store import forget_locals

@@ -246,12 +246,14 @@ async def test_fault_at_every_copy_and_allocation_rolls_back_every_tensor(mode: 
 async def test_io_error_midway_through_disk_update_rolls_back(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
-    """A read failing after writing started restores every tensor written before it."""
+    """A loader failing after writing started restores every tensor written before it."""
+    import strategies._fileread as fileread
     import strategies._write as write
 
     ctl, pipe = await attached()
     write_checkpoint(tmp_path, pipe, ["transformer", "vae"])
     sums = ctl.weights_checksum()
+    monkeypatch.setattr(fileread, "CAN_READ_INTO", False)  # every tensor through the loader
     monkeypatch.setattr(write, "READ_CHUNK", 1)  # one tensor per read, so writes interleave
     calls = {"n": 0}
     real = write.load_chunk
@@ -267,6 +269,92 @@ async def test_io_error_midway_through_disk_update_rolls_back(tmp_path: Path,
     assert not result.success
     assert result.message.endswith("OSError: disk vanished")
     assert ctl.weights_checksum() == sums
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 7])
+async def test_direct_read_failing_midway_restores_every_tensor(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                fail_at: int) -> None:
+    """A file read straight into the live tensors that fails after writing garbage into some
+    of them (and all of earlier ones) leaves every tensor, and the version, as before."""
+    import strategies._fileread as fileread
+
+    # An offloaded component: its tensors are host memory on every device layer (the
+    # ordering layer, like CUDA, lets the host write nothing else).
+    ctl, pipe = await attached("component-offload")
+    write_checkpoint(tmp_path, pipe, ["text_encoder"])
+    sums = ctl.weights_checksum()
+    monkeypatch.setattr(fileread, "PIECE", 64)  # many pieces, dealt to several threads
+    calls = {"n": 0}
+    real = fileread._preadv
+    assert real is not None
+
+    def flaky(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls["n"] += 1
+        if calls["n"] >= fail_at:
+            buffers[0][: len(buffers[0]) // 2] = b"\xff" * (len(buffers[0]) // 2)
+            raise OSError("disk vanished")
+        return int(real(fd, buffers, offset))
+
+    monkeypatch.setattr(fileread, "_preadv", flaky)
+    result = await ctl.update_weights_from_disk(tmp_path)
+    assert calls["n"] >= fail_at
+    assert not result.success and result.message.endswith("OSError: disk vanished")
+    assert ctl.weights_checksum() == sums and ctl.weights_version == 0
+    assert ctl.phase is Phase.AWAKE
+
+
+async def test_file_cut_short_after_planning_fails_and_restores(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """A checkpoint truncated between validation and the read is reported by name (the file
+    ended early) and nothing of it stays written."""
+    import strategies._fileread as fileread
+
+    ctl, pipe = await attached("component-offload")
+    write_checkpoint(tmp_path, pipe, ["text_encoder"])
+    sums = ctl.weights_checksum()
+    victim = tmp_path / "text_encoder" / "part-1.safetensors"
+    real = fileread._read_lane
+
+    def truncating(lane: Any) -> None:
+        with open(victim, "r+b") as f:
+            f.truncate(victim.stat().st_size // 2)
+        real(lane)
+
+    monkeypatch.setattr(fileread, "_read_lane", truncating)
+    result = await ctl.update_weights_from_disk(tmp_path)
+    assert not result.success
+    assert "the file ended at byte" in result.message and "part-1.safetensors" in result.message
+    assert ctl.weights_checksum() == sums
+
+
+async def test_disk_update_reads_exact_tensors_in_place_and_loads_only_casts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors stored as the model stores them are read straight into place (no loaded
+    copy); a tensor stored in another dtype is loaded and cast; both end up exact."""
+    import strategies._write as write
+
+    ctl, pipe = await attached("component-offload")
+    state = new_state(pipe["text_encoder"])
+    cast_name = sorted(k for k, v in state.items() if v.is_floating_point())[0]
+    state[cast_name] = state[cast_name].double()
+    (tmp_path / "text_encoder").mkdir()
+    save_file(state, str(tmp_path / "text_encoder" / "w.safetensors"))
+    loaded: list[str] = []
+    real = write.load_chunk
+
+    def spy(sources: Any, dtypes: Any) -> Any:
+        loaded.extend(s.name for s in sources)
+        return real(sources, dtypes)
+
+    monkeypatch.setattr(write, "load_chunk", spy)
+    result = await ctl.update_weights_from_disk(tmp_path)
+    assert result.success
+    assert loaded == [cast_name]
+    state[cast_name] = state[cast_name].float()
+    assert ctl.weights_checksum(["text_encoder"]) == {
+        "text_encoder": (await expected_sums(pipe, {"text_encoder": state}))["text_encoder"]}
 
 
 async def test_cancelled_update_rolls_back_and_leaves_phase_awake() -> None:

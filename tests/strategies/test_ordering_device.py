@@ -143,6 +143,25 @@ def test_a_destination_written_mid_copy_is_reported() -> None:
     assert len(check_ordering()) == 1
 
 
+def test_host_writes_refuses_device_memory_and_a_mirror_a_copy_still_reads() -> None:
+    """The host may write a host buffer no copy touches; never a device buffer (CUDA memory);
+    and a host mirror an unwaited copy still reads is an ordering violation naming both,
+    until the host waited for that copy."""
+    layer = OrderingDevice(seed=6)
+    host, dev, idle = filled(layer), layer.alloc(N, "device"), filled(layer, start=9)
+    layer.label(host, "vae", "decoder.1")
+    assert layer.host_writes(idle, "host")
+    assert not layer.host_writes(dev, "device")
+    assert not layer.host_writes(dev, "host")  # the buffer's own tier decides, not the caller
+    handle = layer.start_copy([(dev, host)], "device")
+    with pytest.raises(OrderingViolation, match=r"the host writes host mirror of component "
+                                                r"'vae' unit 'decoder.1' .* still reads it"):
+        layer.host_writes(host, "host")
+    handle.wait_host()
+    assert layer.host_writes(host, "host")
+    assert len(check_ordering()) == 1
+
+
 def test_a_copy_that_reads_a_buffer_another_stream_still_writes_raises_at_once() -> None:
     """Copying a device buffer back to the host before its copy in was waited for is refused
     when it starts (the two copy streams are not ordered)."""
