@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from strategies import TensorStore, WriteSource
-from strategies._fileread import FileRegion, safetensors_regions
+from strategies import FileRegion, TensorStore, WriteSource, safetensors_regions
 
 from . import _events as events
 from ._events import get_logger

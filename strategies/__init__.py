@@ -21,6 +21,7 @@ from ._device import (
 )
 from ._errors import ResidencyError
 from ._factory import ComponentResidencyError, Shape, build_strategy, is_fsdp_managed
+from ._fileread import FileRegion, safetensors_regions
 from ._guard import ComputeGuard
 from ._layerwise import (
     LayerwiseOffloadStrategy,
@@ -54,6 +55,7 @@ __all__ = [
     "CpuDevice",
     "CudaDevice",
     "DeviceLayer",
+    "FileRegion",
     "LayerwiseOffloadStrategy",
     "LayerwiseTuning",
     "Move",
@@ -88,4 +90,5 @@ __all__ = [
     "prepare_regroup",
     "prepare_restore",
     "resolve_device",
+    "safetensors_regions",
 ]

@@ -28,6 +28,7 @@ import anyio.to_thread
 import torch
 
 from ._errors import ResidencyError
+from ._fileread import FileRegion, read_regions
 
 __all__ = [
     "CopyHandle",
@@ -278,6 +279,15 @@ class DeviceLayer:
         batch to finish before the cancellation propagates, so callers may free buffers.
         """
         raise NotImplementedError
+
+    async def read_file(self, reads: Sequence[tuple[torch.Tensor, FileRegion]],
+                        limiter: anyio.CapacityLimiter | None = None) -> None:
+        """Read each file region straight into its tensor (each one the host may write: see
+        :meth:`host_writes`), in parallel worker threads; counted as one copy per tensor.
+        Returns when every byte is in; on failure or cancellation, once no thread writes."""
+        with self._count_lock:
+            self.copies += len(reads)
+        await read_regions(reads, limiter)
 
     # -- accounting ----------------------------------------------------------------
     def empty_cache(self) -> None:

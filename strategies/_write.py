@@ -55,7 +55,7 @@ import torch
 
 from ._chunks import chunked
 from ._device import CopyPair, DeviceLayer, Tier
-from ._fileread import FileRegion, read_regions
+from ._fileread import FileRegion
 
 if TYPE_CHECKING:
     from ._store import TensorStore, Unit, _Slot
@@ -514,8 +514,8 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
             rest = chunk
             if direct:
                 written += direct
-                await read_regions([(t.live, t.source.region) for t in direct
-                                    if t.source.region is not None], limiter)
+                await layer.read_file([(t.live, t.source.region) for t in direct
+                                       if t.source.region is not None], limiter)
                 read = {id(t) for t in direct}
                 rest = [t for t in chunk if id(t) not in read]
                 if not rest:

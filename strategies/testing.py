@@ -23,11 +23,15 @@ from __future__ import annotations
 import random
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import torch
 
 from ._device import CpuDevice, CudaDevice, DeviceLayer, Tier, resolve_device
+from ._fileread import FileRegion
 from ._ordering import POISON, OrderingDevice, OrderingViolation, check_ordering
 
 __all__ = ["POISON", "FaultInjection", "FaultyDevice", "InjectedFault", "OrderingDevice",
@@ -95,6 +99,25 @@ class FaultInjection(DeviceLayer):
             self.fail_copy_at = None
             raise InjectedFault(f"injected copy failure ({src.nbytes} bytes)")
         super()._copy_one(dst, src)
+
+    async def read_file(self, reads: Sequence[tuple[torch.Tensor, FileRegion]],
+                        limiter: anyio.CapacityLimiter | None = None) -> None:
+        """File reads are copies here too (one per tensor): delayed, counted, and failed at
+        the armed one, after the reads before it really happened (a real partial write)."""
+        reads = list(reads)
+        if self.copy_delay or self.jitter:
+            await anyio.to_thread.run_sync(self._delay, self.copy_delay * len(reads))
+        fail = None if self.fail_copy_at is None else self.fail_copy_at - self.copies - 1
+        if fail is None or not 0 <= fail < len(reads):
+            await super().read_file(reads, limiter)
+            return
+        await super().read_file(reads[:fail], limiter)
+        with self._count_lock:
+            self.copies += 1
+        self.faults += 1
+        self.fail_copy_at = None
+        raise InjectedFault(f"injected read failure ({reads[fail][1].nbytes} bytes of "
+                            f"{reads[fail][1].path})")
 
 
 class FaultyDevice(FaultInjection, CpuDevice):

@@ -46,6 +46,7 @@ STRATEGIES_API = {
     "Shape", "RegroupMove", "prepare_regroup", "RestoreMove", "prepare_restore", "needs_restore",
     "DeviceLayer", "CpuDevice", "CudaDevice", "CopyHandle", "make_device_layer", "resolve_device",
     "TensorStore", "Unit", "Move", "PreparedMove", "WriteMove", "WriteSource", "StoreReport",
+    "FileRegion", "safetensors_regions",
     "ComputeGuard",
     "ResidencyError", "StoreError", "ComponentResidencyError", "UnsupportedCompute",
 }

@@ -243,6 +243,31 @@ async def test_fault_at_every_copy_and_allocation_rolls_back_every_tensor(mode: 
             assert ctl.weights_checksum() != sums
 
 
+@pytest.mark.parametrize("mode", ["resident", "component-offload"])
+async def test_fault_at_every_read_of_a_disk_update_rolls_back_every_tensor(
+        tmp_path: Path, mode: str) -> None:
+    """For every k, failing the k-th copy of an update from disk (file reads straight into
+    place count as copies) leaves every checksum as before; a retry then succeeds."""
+    probe = FaultyDevice()
+    ctl, pipe = await attached(mode, probe)
+    write_checkpoint(tmp_path, pipe, ["transformer", "text_encoder"])
+    before = probe.copies
+    assert (await ctl.update_weights_from_disk(tmp_path)).success
+    n = probe.copies - before
+    assert n >= 10
+    for k in range(1, n + 1):
+        layer = FaultyDevice()
+        ctl, pipe = await attached(mode, layer)
+        sums = ctl.weights_checksum()
+        layer.arm(copy_at=k)
+        result = await ctl.update_weights_from_disk(tmp_path)
+        assert not result.success and "rolled back" in result.message, k
+        assert layer.faults == 1
+        assert ctl.weights_checksum() == sums, k
+        assert (await ctl.update_weights_from_disk(tmp_path)).success
+        assert ctl.weights_checksum() != sums
+
+
 async def test_io_error_midway_through_disk_update_rolls_back(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch
                                                                ) -> None:
