@@ -113,9 +113,19 @@ class _Target:
 
 
 def _tier(pairs: Sequence[CopyPair], store: TensorStore) -> Tier:
+    """The stream for copies into buffers the layer allocated (backups): the device's when
+    one is on the device."""
     device = store.layer.device
     on_device = device.type != "cpu" and any(dst.device == device for dst, _ in pairs)
     return "device" if on_device else "host"
+
+
+def _live_tier(targets: Sequence[_Target]) -> Tier:
+    """The stream for copies into live tensors (writes, restores): the device's when one is
+    placed on the device. By placement, not by ``tensor.device``: on the CPU stand-in the
+    device tier is CPU memory too, and the ordering layer (like CUDA) orders a copy into
+    device memory on the device's stream."""
+    return "device" if any(t.unit.where == "device" for t in targets) else "host"
 
 
 def load_chunk(sources: Sequence[WriteSource], dtypes: Sequence[torch.dtype]
@@ -406,7 +416,7 @@ class WriteMove:
     async def _restore(self, targets: Sequence[_Target]) -> None:
         with anyio.CancelScope(shield=True):
             pairs = [t.restore_pair() for t in targets]
-            await self.store.copy_pairs(pairs, _tier(pairs, self.store))
+            await self.store.copy_pairs(pairs, _live_tier(targets))
             for t in targets:
                 t.forget_write()
 
@@ -420,7 +430,7 @@ class WriteMove:
         pairs = [t.restore_pair() for t in self.targets]
         if pairs:
             # The host waits for this restore copy alone (the backups are dropped next).
-            self.store.layer.start_copy(pairs, _tier(pairs, self.store)).wait_host()
+            self.store.layer.start_copy(pairs, _live_tier(self.targets)).wait_host()
         for t in self.targets:
             t.forget_write()
         self._drop_backups()
@@ -525,7 +535,7 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
                 limiter=limiter)
             written += rest
             pairs = [(t.live, v) for t, v in zip(rest, values, strict=True)]
-            await store.copy_pairs(pairs, _tier(pairs, store))
+            await store.copy_pairs(pairs, _live_tier(rest))
     except BaseException as exc:
         from ._store import forget_locals
 

@@ -181,3 +181,16 @@ async def test_a_request_whose_body_raises_returns_every_prefetch_lease() -> Non
         assert ctl.in_flight == 0
         await ctl.sleep()  # drains at once
         await ctl.aclose()
+
+
+async def test_writes_into_device_placed_tensors_travel_the_device_stream() -> None:
+    """An update's copies into tensors placed on the device are device-stream copies, and
+    an offloaded component's update makes none, as on CUDA, although the CPU stand-in's
+    device tier is CPU memory too."""
+    layer = RecordingDevice()
+    ctl, _, _ = await _attached("transformer=component-offload", layer)
+    for name, on_device in (("vae", True), ("transformer", False)):
+        state = {n: t.detach().clone() for n, t in ctl.strategy(name).store.named_tensors()}
+        layer.calls.clear()
+        assert (await ctl.update_weights_from_tensors(state, name)).success
+        assert ("copy to device" in layer.calls) is on_device, (name, layer.calls)
