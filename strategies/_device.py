@@ -319,9 +319,10 @@ class DeviceLayer:
     def host_writes(self, t: torch.Tensor, tier: Tier) -> bool:
         """Whether the host may write ``t`` (placed on ``tier``) itself, now (a file read
         straight into it): memory the host addresses (CPU tensors: the CPU layer's device
-        tier, any host tier), with no copy of this layer still touching it. Transitions wait for the
-        device's queued work before they write (:attr:`needs_sync`), and a write lands or
-        supersedes the store's mirror refresh first, so no copy of ours is in flight here."""
+        tier, any host tier), with no copy of this layer still touching it. Here that holds
+        by construction: a transition waits for the device's queued work before it writes
+        (:attr:`needs_sync`: prefetches still reading a mirror have landed), and a write
+        lands or supersedes its store's mirror refresh first."""
         return t.device.type == "cpu"
 
     def label(self, buf: torch.Tensor, component: str, unit: str) -> None:

@@ -520,7 +520,8 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
             # loaded tensor, no page faults on the file's mapping). Counted as written
             # before the read starts: a failed read leaves them half-written.
             direct = [t for t in chunk if t.source.region is not None
-                      and t.source.region.fits(t.live) and layer.host_writes(t.live, t.unit.where)]
+                      and t.source.region.fits(t.live)
+                      and layer.host_writes(t.live, t.unit.where)]
             rest = chunk
             if direct:
                 written += direct
