@@ -16,6 +16,7 @@ layer can fail the k-th one (see ``lifecycle.testing``).
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -618,7 +619,24 @@ def _release_arena(arena: mmap.mmap, ptr: int) -> None:  # pragma: no cover - CU
     arena.close()
 
 
+#: Environment variable naming the layer for a CPU device: ``cpu`` (default) or ``ordering``
+#: (:class:`~strategies.testing.OrderingDevice`: copies land late, only when waited for, and
+#: ordering mistakes raise), so that a whole program (``residency serve``, a drill) runs its
+#: moves as CUDA orders them, on a machine without a GPU.
+DEVICE_LAYER_ENV = "RESIDENCY_DEVICE_LAYER"
+
+
 def make_device_layer(device: str | torch.device | None) -> DeviceLayer:
-    """The device layer for ``device`` (see :func:`resolve_device`)."""
+    """The device layer for ``device`` (see :func:`resolve_device`; a CPU device's layer is
+    chosen by :data:`DEVICE_LAYER_ENV`)."""
     dev = resolve_device(device)
-    return CudaDevice(dev) if dev.type == "cuda" else CpuDevice(dev)
+    if dev.type == "cuda":
+        return CudaDevice(dev)
+    kind = os.environ.get(DEVICE_LAYER_ENV, "cpu")
+    if kind == "ordering":
+        from ._ordering import OrderingDevice
+
+        return OrderingDevice(dev)
+    if kind != "cpu":
+        raise ValueError(f"{DEVICE_LAYER_ENV}={kind!r}: valid values are 'cpu' and 'ordering'")
+    return CpuDevice(dev)

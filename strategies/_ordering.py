@@ -44,8 +44,10 @@ buffers are dropped).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import random
+import sys
 import threading
 import time
 import weakref
@@ -497,6 +499,17 @@ class OrderingDevice(CpuDevice):
                 c.snapshot = None
                 self._ord_retire(c)
             return [c.describe() for c in lost]
+
+
+def _report_at_exit() -> None:
+    """A program run on the ordering layer (``RESIDENCY_DEVICE_LAYER=ordering``) names, on
+    stderr as it exits, the violations nobody reported (raised ones failed their call)."""
+    problems = check_ordering()
+    if problems:
+        print("residency: ordering violations:\n- " + "\n- ".join(problems), file=sys.stderr)
+
+
+atexit.register(_report_at_exit)
 
 
 def check_ordering() -> list[str]:

@@ -20,6 +20,7 @@ until then, and a buffer freed, overwritten or read out of order is reported
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import weakref
@@ -30,7 +31,14 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._device import CpuDevice, CudaDevice, DeviceLayer, Tier, resolve_device
+from ._device import (
+    DEVICE_LAYER_ENV,
+    CpuDevice,
+    CudaDevice,
+    DeviceLayer,
+    Tier,
+    resolve_device,
+)
 from ._fileread import FileRegion
 from ._ordering import POISON, OrderingDevice, OrderingViolation, check_ordering
 
@@ -152,8 +160,11 @@ class FaultyCudaDevice(FaultInjection, CudaDevice):  # pragma: no cover - CUDA o
 
 def faulty_device_layer(device: str | torch.device | None = None, **faults: Any
                         ) -> FaultInjection:
-    """A fault-injecting layer for ``device`` (see :func:`strategies.resolve_device`)."""
+    """A fault-injecting layer for ``device`` (see :func:`strategies.resolve_device`; on a
+    CPU device, the ordering one when ``RESIDENCY_DEVICE_LAYER=ordering``)."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         return FaultyCudaDevice(dev, **faults)
+    if os.environ.get(DEVICE_LAYER_ENV) == "ordering":
+        return OrderingFaultyDevice(dev, **faults)
     return FaultyDevice(dev, **faults)

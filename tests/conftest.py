@@ -12,6 +12,7 @@ holds a copy nobody waited for.
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ import lifecycle.testing
 import strategies._factory
 import strategies.testing
 from strategies import DeviceLayer, resolve_device
+from strategies._device import DEVICE_LAYER_ENV
 from strategies.testing import OrderingDevice, OrderingFaultyDevice, check_ordering
 
 ORDERING_MAX_DELAY = 0.002  # seconds: each copy lands up to this late (keeps the pass fast)
@@ -83,6 +85,9 @@ def pytest_configure(config: pytest.Config) -> None:
         for module, name, replacement in _PATCHES:
             _original.setdefault(f"{module.__name__}.{name}", getattr(module, name))
             setattr(module, name, replacement)
+        # Programs the tests start (`residency serve`, drills, rank workers) inherit it.
+        _original.setdefault("env", os.environ.get(DEVICE_LAYER_ENV))
+        os.environ[DEVICE_LAYER_ENV] = "ordering"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -90,6 +95,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         key = f"{module.__name__}.{name}"
         if key in _original:
             setattr(module, name, _original.pop(key))
+    if "env" in _original:
+        previous = _original.pop("env")
+        if previous is None:
+            os.environ.pop(DEVICE_LAYER_ENV, None)
+        else:
+            os.environ[DEVICE_LAYER_ENV] = previous
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

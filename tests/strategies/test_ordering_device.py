@@ -347,3 +347,28 @@ def test_the_option_puts_controllers_that_make_their_own_layer_on_the_ordering_l
     otherwise the plain CPU layer."""
     ordering = request.config.getoption("--device-layer") == "ordering"
     assert isinstance(LifecycleController("cpu").device_layer, OrderingDevice) is ordering
+
+
+def test_the_environment_picks_the_layer_of_a_cpu_device(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """RESIDENCY_DEVICE_LAYER=ordering makes every CPU layer the library builds itself an
+    ordering layer (a program started by a test runs its moves as CUDA orders them); 'cpu'
+    or nothing gives the plain layer; anything else is refused naming the valid values."""
+    import strategies.testing
+    from strategies import CpuDevice, make_device_layer
+    from strategies._device import DEVICE_LAYER_ENV
+    from strategies.testing import faulty_device_layer
+
+    monkeypatch.setenv(DEVICE_LAYER_ENV, "ordering")
+    assert type(make_device_layer("cpu")) is OrderingDevice
+    assert isinstance(faulty_device_layer("cpu", fail_copy_at=3), OrderingFaultyDevice)
+    monkeypatch.setenv(DEVICE_LAYER_ENV, "cpu")
+    assert type(make_device_layer("cpu")) is CpuDevice
+    monkeypatch.delenv(DEVICE_LAYER_ENV)
+    assert type(make_device_layer("cpu")) is CpuDevice
+    monkeypatch.setenv(DEVICE_LAYER_ENV, "fast")
+    with pytest.raises(ValueError, match="'cpu' and 'ordering'"):
+        make_device_layer("cpu")
+    monkeypatch.delenv(DEVICE_LAYER_ENV)
+    # (the ordering pytest pass has replaced FaultyDevice itself: compare with what it is)
+    assert type(faulty_device_layer("cpu")) is strategies.testing.FaultyDevice
