@@ -341,6 +341,26 @@ class _Derived:
             track(value)
 
 
+def _unview(t: torch.Tensor) -> None:
+    """Make ``t`` (same Python object, same storage, same bytes) stop being a view.
+
+    A view keeps its ``_base`` tensor alive, and ``.data = other`` does not drop it: a buffer
+    registered as a slice of a temporary (``pe[:, :n]``, ``arange(n).expand(1, -1)``,
+    ``weight.detach()[0]``) would keep that temporary's *original* storage, on the device,
+    alive after every sleep. ``torch.utils.swap_tensors`` gives the object a plain alias of
+    its storage instead. Not done for a view that requires grad (its base is a parameter,
+    which moves with it), a tensor subclass, or one with weak references (which swapping
+    refuses): those keep their base."""
+    if t._base is None or t.requires_grad or type(t) is not torch.Tensor:
+        return  # (a subclass: swapping would hand the object another class)
+    alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    try:
+        torch.utils.swap_tensors(t, alias)  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        return  # weakly referenced: left a view (its base stays alive)
+
+
 def _derived_of(module: nn.Module) -> list[_Derived]:
     return [_Derived(module, h.name, h) for h in module._forward_pre_hooks.values()
             if isinstance(h, WeightNorm | SpectralNorm)]
@@ -435,6 +455,7 @@ class TensorStore:
                 fsdp_owned[id(t)] = int(t.to_local().nbytes)  # type: ignore[attr-defined]
                 continue
             if id(t) not in slots:
+                _unview(t)
                 slots[id(t)] = _Slot(t, [], int(t.storage_offset()) * t.element_size())
             slots[id(t)].names.append(r.name)
             if r.kind == "buffer":
