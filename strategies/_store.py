@@ -353,8 +353,9 @@ def _unview(t: torch.Tensor) -> None:
     refuses): those keep their base."""
     if t._base is None or t.requires_grad or type(t) is not torch.Tensor:
         return  # (a subclass: swapping would hand the object another class)
-    alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-        t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    with torch.inference_mode(False):  # (an attach under inference_mode: a normal tensor)
+        alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
     try:
         torch.utils.swap_tensors(t, alias)  # type: ignore[no-untyped-call]
     except RuntimeError:
