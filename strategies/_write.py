@@ -519,18 +519,20 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
             # File bytes the host may write straight into the live tensor: one copy (no
             # loaded tensor, no page faults on the file's mapping). Counted as written
             # before the read starts: a failed read leaves them half-written.
-            direct = [t for t in chunk if t.source.region is not None
-                      and t.source.region.fits(t.live)
-                      and layer.host_writes(t.live, t.unit.where)]
-            rest = chunk
+            direct: list[tuple[_Target, FileRegion]] = []
+            rest: list[_Target] = []
+            for t in chunk:
+                region, live = t.source.region, t.live
+                if region is not None and region.fits(live) \
+                        and layer.host_writes(live, t.unit.where):
+                    direct.append((t, region))
+                else:
+                    rest.append(t)
             if direct:
-                written += direct
-                await layer.read_file([(t.live, t.source.region) for t in direct
-                                       if t.source.region is not None], limiter)
-                read = {id(t) for t in direct}
-                rest = [t for t in chunk if id(t) not in read]
-                if not rest:
-                    continue
+                written += [t for t, _ in direct]
+                await layer.read_file([(t.live, region) for t, region in direct], limiter)
+            if not rest:
+                continue
             values = await anyio.to_thread.run_sync(
                 load_chunk, [t.source for t in rest], [t.slot.tensor.dtype for t in rest],
                 limiter=limiter)

@@ -62,6 +62,7 @@ def _ordering_device_layer(device: str | torch.device | None) -> DeviceLayer:
 
 
 _original: dict[str, Any] = {}
+_env_before = os.environ.get(DEVICE_LAYER_ENV)  # restored at the end of the session
 # (module, attribute, replacement): where the layers the tests do not inject are looked up.
 _PATCHES = [
     (lifecycle._controller, "make_device_layer", _ordering_device_layer),
@@ -86,7 +87,6 @@ def pytest_configure(config: pytest.Config) -> None:
             _original.setdefault(f"{module.__name__}.{name}", getattr(module, name))
             setattr(module, name, replacement)
         # Programs the tests start (`residency serve`, drills, rank workers) inherit it.
-        _original.setdefault("env", os.environ.get(DEVICE_LAYER_ENV))
         os.environ[DEVICE_LAYER_ENV] = "ordering"
 
 
@@ -95,12 +95,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         key = f"{module.__name__}.{name}"
         if key in _original:
             setattr(module, name, _original.pop(key))
-    if "env" in _original:
-        previous = _original.pop("env")
-        if previous is None:
-            os.environ.pop(DEVICE_LAYER_ENV, None)
-        else:
-            os.environ[DEVICE_LAYER_ENV] = previous
+    if _env_before is None:
+        os.environ.pop(DEVICE_LAYER_ENV, None)
+    else:
+        os.environ[DEVICE_LAYER_ENV] = _env_before
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
