@@ -25,7 +25,6 @@ from typing import Any, Self, TypeVar
 import anyio
 import anyio.abc
 import anyio.to_thread
-import structlog
 import torch
 from torch import nn
 from transitions import Machine
@@ -108,6 +107,7 @@ _ids = itertools.count(1)
 _controller_ids = itertools.count(1)
 _R = TypeVar("_R", OccupationResult, UpdateResult)
 _VALID = frozenset((t.trigger, t.source) for t in TRANSITIONS)
+_ALONE: AbstractAsyncContextManager[None] = contextlib.nullcontext()  # stateless: shared
 
 
 @dataclass(frozen=True)
@@ -251,14 +251,14 @@ class LifecycleController:
         self._group = RankGroup(process_group, timeout)
         self.rank = self._uses.rank = self._group.rank
 
-    @asynccontextmanager
-    async def _collective(self, trigger: str) -> AsyncIterator[None]:
+    def _collective(self, trigger: str) -> AbstractAsyncContextManager[None]:
         """Around a transition on every rank: agree on the phase first; an error before the
-        deciding vote still votes (no on its way out), so the ranks stay in lock step."""
-        group = self._group
-        if group is None:
-            yield
-            return
+        deciding vote still votes (no on its way out), so the ranks stay in lock step. One
+        rank: nothing to agree on (no generator made: a clean sleep enters this)."""
+        return _ALONE if self._group is None else self._section_of(trigger, self._group)
+
+    @asynccontextmanager
+    async def _section_of(self, trigger: str, group: RankGroup) -> AsyncIterator[None]:
         if group.broken is not None:
             raise GroupBroken(trigger, self.phase, GroupFailure(group.broken), group.describe())
         try:
@@ -480,8 +480,7 @@ class LifecycleController:
                 self.config = self.last_plan.config
             self.config.validate_components(found)
             components, enabled = self._build(found)
-            with structlog.contextvars.bound_contextvars(transition="attach",
-                                                         transition_id=next(_ids)):
+            with events.bound(transition="attach", transition_id=next(_ids)):
                 t0 = time.perf_counter()
                 self._transition = "attach"
                 try:
@@ -581,8 +580,7 @@ class LifecycleController:
                     else:
                         moves.append(await store.prepare_to_host(store.select("device")))
 
-            with structlog.contextvars.bound_contextvars(transition="detach",
-                                                         transition_id=next(_ids)):
+            with events.bound(transition="detach", transition_id=next(_ids)):
                 async with self._gate("detach"):
                     copied = await self._transact("detach", prepare)
                 for c in self._uses.components.values():
@@ -809,8 +807,7 @@ class LifecycleController:
             for name, shape in wanted.items():
                 moves.append(await self._prepare_shape(components[name], shape))
 
-        with structlog.contextvars.bound_contextvars(transition="set_residency",
-                                                     transition_id=next(_ids)):
+        with events.bound(transition="set_residency", transition_id=next(_ids)):
             async with self._gate("set_residency"):
                 self._resync_structure("set_residency")
                 self._transition = "set_residency"
@@ -877,8 +874,7 @@ class LifecycleController:
                           rank=self.rank, controller=self.id)
                 return OccupationResult(how is Refusal.NOOP, self.phase is Phase.SLEEPING,
                                         message, self.phase)
-            with structlog.contextvars.bound_contextvars(transition=trigger,
-                                                         transition_id=next(_ids)):
+            with events.bound(transition=trigger, transition_id=next(_ids)):
                 async with self._gate(trigger):
                     return await self._move_all(trigger)
 
@@ -1037,8 +1033,7 @@ class LifecycleController:
                 _log.info(events.TRANSITION_REJECTED, trigger=kind, phase=self.phase.value,
                           outcome="refused", reason=refusal[1], rank=self.rank, controller=self.id)
                 return UpdateResult(False, refusal[1], self._version)
-            with structlog.contextvars.bound_contextvars(transition=kind,
-                                                         transition_id=next(_ids)):
+            with events.bound(transition=kind, transition_id=next(_ids)):
                 plan: UpdatePlan | None = None
                 refused: UpdateRefused | TransitionRejected | None = None
                 try:

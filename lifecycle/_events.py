@@ -166,6 +166,27 @@ def wanted(logger: structlog.stdlib.BoundLogger, level: int) -> bool:
     return bool(_SINKS) or bool(logger._logger.isEnabledFor(level))
 
 
+class bound:
+    """Bind context variables for the events inside a ``with`` block; their earlier values
+    (or none) come back afterwards, as with :func:`structlog.contextvars.bound_contextvars`.
+
+    That one reads the whole context first (a copy of every context variable, to save the
+    keys it rebinds); this one resets the tokens its binding returned, which puts back the
+    same values without looking at any other variable: every transition enters one."""
+
+    __slots__ = ("_fields", "_tokens")
+
+    def __init__(self, **fields: Any) -> None:
+        self._fields = fields
+        self._tokens: Mapping[str, Any] = {}
+
+    def __enter__(self) -> None:
+        self._tokens = structlog.contextvars.bind_contextvars(**self._fields)
+
+    def __exit__(self, *exc_info: object) -> None:
+        structlog.contextvars.reset_contextvars(**self._tokens)
+
+
 def get_logger(name: str = "lifecycle") -> structlog.stdlib.BoundLogger:
     """A structlog logger writing to the stdlib logger *name*, independent of structlog's
     global configuration (which belongs to the application)."""

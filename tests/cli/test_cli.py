@@ -233,3 +233,20 @@ def test_drill_runs_under_an_auto_residency_and_needs_a_budget(
     assert main(["drill", "--residency", "auto", "--device", "cpu"]) == 2
     assert "--budget" in capsys.readouterr().err
     assert main(["drill", "--budget", "1GiB", "--device", "cpu"]) == 2
+
+
+def test_sleep_wake_bench_reports_the_floor_of_a_clean_sleep() -> None:
+    """``bench sleep-wake --json`` reports both floor loops and the fixed cost of a clean
+    sleep (nothing moved, the reference's sleep over each as a ratio) beside ours, and the
+    outputs stay bit-identical."""
+    proc = subprocess.run([sys.executable, "-m", "lifecycle", "bench", "sleep-wake", "--size",
+                           "4MB", "--device", "cpu", "--repeats", "1", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc: dict[str, Any] = json.loads(proc.stdout)
+    results = doc["results"]
+    for floor in ("floor_sleep_readable", "floor_sleep_parked", "ours_sleep_clean_fixed"):
+        assert results[floor]["bytes"] == 0 and results[floor]["seconds"] > 0
+        assert doc["ratios"][f"reference_sleep/{floor}"] == pytest.approx(
+            results["reference_sleep"]["seconds"] / results[floor]["seconds"])
+    assert doc["correct"] is True

@@ -140,6 +140,30 @@ async def test_stdlib_handler_at_debug_receives_every_event_with_its_keys() -> N
     assert all(m["bytes"] > 0 for m in slept)  # type: ignore[index,operator]
 
 
+async def test_transition_context_ends_with_the_transition_and_keeps_the_callers() -> None:
+    """Events inside a sleep carry its transition; afterwards (also after a refused call)
+    the caller's own bound context variables are back as they were, and the transition's
+    keys are gone."""
+    ctl = LifecycleController("cpu")
+    await ctl.attach(small_pipeline())
+    structlog.contextvars.bind_contextvars(request="r-1", transition="outer")
+    try:
+        with _listening() as records:
+            await ctl.sleep()
+            await ctl.sleep()  # a noop: refused before anything is bound
+            after = structlog.contextvars.get_contextvars()
+        committed = [r.msg for r in _events_of(records, events.TRANSITION_COMMITTED)]
+        assert [m["transition"] for m in committed] == ["sleep"]  # type: ignore[index]
+        assert committed[0]["request"] == "r-1"  # type: ignore[index]
+        assert after == {"request": "r-1", "transition": "outer"}
+        structlog.contextvars.unbind_contextvars("transition")
+        await ctl.wake()
+        assert structlog.contextvars.get_contextvars() == {"request": "r-1"}
+    finally:
+        structlog.contextvars.unbind_contextvars("request", "transition")
+        await ctl.detach()
+
+
 async def test_plain_formatter_renders_one_line_per_event() -> None:
     """What ``logging.basicConfig(level=DEBUG)`` prints: one line per event, the event name
     followed by its keys."""
