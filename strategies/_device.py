@@ -626,17 +626,23 @@ def _release_arena(arena: mmap.mmap, ptr: int) -> None:  # pragma: no cover - CU
 DEVICE_LAYER_ENV = "RESIDENCY_DEVICE_LAYER"
 
 
+def cpu_layer_kind() -> str:
+    """``"cpu"`` or ``"ordering"``: the layer :data:`DEVICE_LAYER_ENV` asks for on a CPU
+    device (ValueError for anything else)."""
+    kind = os.environ.get(DEVICE_LAYER_ENV, "cpu")
+    if kind not in ("cpu", "ordering"):
+        raise ValueError(f"{DEVICE_LAYER_ENV}={kind!r}: valid values are 'cpu' and 'ordering'")
+    return kind
+
+
 def make_device_layer(device: str | torch.device | None) -> DeviceLayer:
     """The device layer for ``device`` (see :func:`resolve_device`; a CPU device's layer is
     chosen by :data:`DEVICE_LAYER_ENV`)."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         return CudaDevice(dev)
-    kind = os.environ.get(DEVICE_LAYER_ENV, "cpu")
-    if kind == "ordering":
+    if cpu_layer_kind() == "ordering":
         from ._ordering import OrderingDevice
 
         return OrderingDevice(dev)
-    if kind != "cpu":
-        raise ValueError(f"{DEVICE_LAYER_ENV}={kind!r}: valid values are 'cpu' and 'ordering'")
     return CpuDevice(dev)

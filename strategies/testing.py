@@ -20,7 +20,6 @@ until then, and a buffer freed, overwritten or read out of order is reported
 
 from __future__ import annotations
 
-import os
 import random
 import time
 import weakref
@@ -31,14 +30,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._device import (
-    DEVICE_LAYER_ENV,
-    CpuDevice,
-    CudaDevice,
-    DeviceLayer,
-    Tier,
-    resolve_device,
-)
+from ._device import CpuDevice, CudaDevice, DeviceLayer, Tier, cpu_layer_kind, resolve_device
 from ._fileread import FileRegion
 from ._ordering import POISON, OrderingDevice, OrderingViolation, check_ordering
 
@@ -165,6 +157,6 @@ def faulty_device_layer(device: str | torch.device | None = None, **faults: Any
     dev = resolve_device(device)
     if dev.type == "cuda":
         return FaultyCudaDevice(dev, **faults)
-    if os.environ.get(DEVICE_LAYER_ENV) == "ordering":
+    if cpu_layer_kind() == "ordering":
         return OrderingFaultyDevice(dev, **faults)
     return FaultyDevice(dev, **faults)
