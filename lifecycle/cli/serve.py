@@ -4,18 +4,25 @@
         [--size 64MB] [--residency ... | --device-budget 20GiB] [--device cpu|cuda|cuda:N]
         [--api-key KEY]
         [--auto-wake] [--drain-timeout S] [--log-json]
+        [--header-timeout S] [--body-timeout S] [--max-connections N] [--fd-timeout S]
 
 ``--pipeline MODULE:FACTORY`` imports ``MODULE`` and calls ``FACTORY()``, which returns a
 pipeline (anything ``attach()`` takes) or ``(pipeline, generate)`` with ``generate`` an
 ``async (ctl, body) -> dict`` serving ``/generate``. The pipeline is attached when the server
 starts and detached when it stops. SIGTERM or SIGINT: stop accepting, let requests in flight
 finish (at most ``--drain-timeout`` seconds), detach, exit 0; a second signal exits at once.
+
+An empty ``--api-key`` (or ``RESIDENCY_API_KEY``) is bad usage (it would admit an empty token);
+binding an address other than loopback without a key prints a warning. Slow clients are bounded
+(see :mod:`lifecycle.http._server`): ``--header-timeout`` seconds for a request's headers,
+``--body-timeout`` seconds without a byte of a body, ``--max-connections`` open at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import ipaddress
 import os
 import socket
 import sys
@@ -51,6 +58,39 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are read instead")
     ap.add_argument("--collective-timeout", type=float, default=30.0,
                     help="seconds a collective waits for the other ranks")
+    ap.add_argument("--header-timeout", type=_seconds, default=10.0,
+                    help="seconds a request's line and headers may take to arrive, from the "
+                         "connection's start or the request's first byte (then 408)")
+    ap.add_argument("--body-timeout", type=_seconds, default=30.0,
+                    help="seconds a request body may go without a byte (then 408)")
+    ap.add_argument("--max-connections", type=_count, default=256,
+                    help="connections open at once; past it a new one gets 503 (0: no limit)")
+    ap.add_argument("--fd-timeout", type=_seconds, default=5.0,
+                    help="seconds each step of a pickled upload's file-descriptor handshake "
+                         "with its sender may take (then 400)")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text!r}")
+    return value
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def load_pipeline(spec: str, size: str) -> tuple[Any, Any, str]:
@@ -98,13 +138,22 @@ def _launch(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean shutdown, 2 on bad usage."""
+    if args.api_key is not None and not args.api_key.strip():
+        print("residency serve: --api-key (or RESIDENCY_API_KEY) is empty; it would admit "
+              "'Authorization: Bearer ' with no token. Give a key, or unset it to serve "
+              "without one", file=sys.stderr)
+        return 2
     if args.nproc > 1 and "RANK" not in os.environ:
         return _launch(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.api_key is None and not _loopback(args.host) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"residency serve: warning: {args.host} is not a loopback address and there is no "
+              "--api-key: anyone who can reach the port can release, resume and replace the "
+              "weights", file=sys.stderr, flush=True)
     try:
         import uvicorn
 
-        from lifecycle.http import create_app
+        from lifecycle.http import ServerLimits, create_app, uvicorn_config
     except ImportError as exc:  # pragma: no cover - the launchers install the extra
         print(f"residency serve needs the 'serve' extra: pip install 'residency[serve]' ({exc})",
               file=sys.stderr)
@@ -142,7 +191,10 @@ def run(args: argparse.Namespace) -> int:
             anyio.run(serve_rank)
             return 0
         driver = RankDriver(local, channel, timeout=args.drain_timeout + 60)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    # IPPROTO_TCP: asyncio then sets TCP_NODELAY on each connection (with proto 0 it does not,
+    # and every response waited 40 ms for the client's delayed ACK).
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET,
+                         socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
@@ -180,9 +232,14 @@ def run(args: argparse.Namespace) -> int:
                 self.force_exit = True
             self.should_exit = True
 
+    upload_limit = 1024 * 2**20
     app = create_app(ctl, generate=generate, api_key=args.api_key, on_startup=startup,
-                     on_shutdown=shutdown, driver=driver)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                     on_shutdown=shutdown, driver=driver, upload_limit=upload_limit,
+                     body_timeout=args.body_timeout, fd_timeout=args.fd_timeout)
+    limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          max_connections=args.max_connections or None, max_drain=upload_limit)
+    config = uvicorn_config(app, limits=limits, log_level="warning", access_log=False,
+                            lifespan="on",
                             timeout_graceful_shutdown=max(1, int(args.drain_timeout)))
     try:
         Server(config).run(sockets=[sock])

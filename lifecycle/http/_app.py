@@ -2,10 +2,15 @@
 
 Every response, error or not, has a JSON body (clients call ``.json()`` on everything).
 Typed refusals are 4xx, never 500: 400 for a refused request (with the reference's message),
-401 without the API key, 404/405 for unknown paths and methods, 409 when in-flight work did
-not drain in time, 413 for a body over the limit, 503 when a call waited too long for a
-transition. 500 is kept for a move that failed and was rolled back (the body says so) and
-for a bug. Nothing changes on any refusal.
+401 without the API key, 404/405 for unknown paths and methods, 408 when a body stops
+arriving, 409 when in-flight work did not drain in time, 413 for a body over the limit, 503
+when a call waited too long for a transition. 500 is kept for a move that failed and was
+rolled back (the body says so) and for a bug. Nothing changes on any refusal.
+
+Bodies are bounded in memory as well as size: an upload's base64 strings are not parsed as
+JSON but left in the body's buffer and decoded there (see :func:`_parse`), and everything slow
+(scanning a large body, decoding, checking weight files) runs in worker threads, so that
+``/health`` answers whatever an update is doing.
 
 The routes are a table (:data:`ROUTES`); each handler parses its body against a small schema
 (unknown fields are ignored: clients send fields meant for other servers) and calls the
@@ -14,21 +19,28 @@ controller, whose admission orders control calls and generations.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
 import logging
+import mmap
+import os
+import secrets
+import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import anyio
 import anyio.to_thread
 import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -48,7 +60,7 @@ from .. import (
 from ..metrics import ControllerMetrics
 from ._driver import Driver, Generate, LocalDriver, RanksUnavailable
 from ._ranks import OutputsDisagree
-from ._transport import TransportError, decode_named_tensors
+from ._transport import FD_TIMEOUT, TransportError, check_load_format, decode_base64, decode_payload
 
 __all__ = ["ROUTES", "Generate", "create_app", "demo_generate"]
 
@@ -60,10 +72,12 @@ MiB = 2**20
 class BadRequest(Exception):
     """A refusal of the request itself: ``status`` and a JSON body, nothing changed."""
 
-    def __init__(self, status: int, body: Mapping[str, Any]) -> None:
+    def __init__(self, status: int, body: Mapping[str, Any],
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(body.get("message") or body.get("error"))
         self.status = status
         self.body = dict(body)
+        self.headers = dict(headers or {})
 
 
 def _refused(message: str, status: int = 400, **extra: Any) -> BadRequest:
@@ -76,9 +90,21 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "object": (dict,)}
 
 
+def _text(name: str, value: str) -> str:
+    """``value``, refused when it is not valid Unicode text: a lone surrogate (JSON's
+    ``"\\ud800"``) cannot be encoded, in a path or in an answer."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _refused(f"{name} is not valid Unicode text (a lone surrogate at character "
+                       f"{exc.start})") from None
+    return value
+
+
 def _field(body: Mapping[str, Any], name: str, kind: str, *, required: bool = False,
-           default: Any = None) -> Any:
-    """``body[name]`` checked against ``kind`` (see :data:`_TYPES`)."""
+           default: Any = None, bounds: tuple[int, int] | None = None) -> Any:
+    """``body[name]`` checked against ``kind`` (see :data:`_TYPES`); strings must be valid
+    Unicode, integers inside ``bounds`` (inclusive) when given."""
     if name not in body or body[name] is None:
         if required:
             raise _refused(f"{name} is required")
@@ -89,31 +115,173 @@ def _field(body: Mapping[str, Any], name: str, kind: str, *, required: bool = Fa
         ok = all(isinstance(v, str) for v in value)
     if not ok:
         raise _refused(f"{name} must be a {kind}, got {type(value).__name__}")
+    if kind == "string":
+        _text(name, value)
+    elif kind == "list of strings":
+        for i, v in enumerate(value):
+            _text(f"{name}[{i}]", v)
+    elif kind == "integer" and bounds is not None and not bounds[0] <= value <= bounds[1]:
+        shown = str(value) if len(str(value)) <= 40 else f"an integer of {len(str(value))} digits"
+        raise _refused(f"{name} must be an integer from {bounds[0]} to {bounds[1]}, got {shown}")
     return value
+
+
+# Integers in a body: a handful of digits is plenty (seeds, steps); Python refuses over 4300.
+_MAX_DIGITS = 100
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > _MAX_DIGITS:
+        raise _refused(f"body holds an integer of {len(digits)} digits; at most {_MAX_DIGITS}")
+    return int(digits)
+
+
+# A body (see _read)
+Body = bytearray | mmap.mmap
+# With mapped=True, a body at least this large whose size is declared goes into an anonymous
+# memory map of that size.
+_MAPPED_MIN = MiB
+
+
+async def _read(request: Request, limit: int, *, mapped: bool = False) -> Body:
+    """The body, at most ``limit`` bytes (413 past it), in one buffer: no list of chunks to
+    join, no second copy. With ``mapped``, a large body of declared size goes into a memory
+    map of that size: pages are committed as bytes arrive (nothing for a client that declares
+    much and sends little), and nothing moves as it fills (a growing bytearray over-allocates,
+    and a move holds two copies for a moment)."""
+    declared = request.headers.get("content-length")
+    size = int(declared) if declared is not None and declared.isdigit() else None
+    if size is not None and size > limit:
+        raise _refused(f"body of {size} bytes is over the limit of {limit}", 413)
+    if mapped and size is not None and size >= _MAPPED_MIN:
+        try:
+            buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+        except (OSError, ValueError, OverflowError):  # pragma: no cover - strict overcommit
+            pass
+        else:
+            pos = 0
+            with memoryview(buffer) as view:
+                async for chunk in request.stream():
+                    if pos + len(chunk) > size:  # h11 refuses this first
+                        raise _refused(f"body is longer than its Content-Length of {size}")
+                    view[pos:pos + len(chunk)] = chunk
+                    pos += len(chunk)
+            if pos != size:
+                raise _refused(f"body of {pos} bytes is shorter than its Content-Length of {size}")
+            return buffer
+    raw = bytearray()
+    async for chunk in request.stream():
+        if len(raw) + len(chunk) > limit:
+            raise _refused(f"body is over the limit of {limit} bytes", 413)
+        raw += chunk
+    return raw
+
+
+# A string of an upload's body at least this long, with no escapes, is not parsed: it stays
+# where it is in the body's buffer (see _parse), and its base64 is decoded from there.
+_SPAN_MIN = 4096
+
+
+class _Span(str):
+    """A long string of the body left in the body's buffer: ``view`` is its bytes. The ``str``
+    itself only describes it (``"<N characters at byte S>"``, unique in the body, so that long
+    keys stay distinct): field checks pass, messages stay short."""
+
+    view: memoryview
+
+
+def _parse(raw: Body, *, spans: int | None = None) -> dict[str, Any]:
+    """The JSON object ``raw`` holds (``{}`` when empty). With ``spans`` (a byte limit), every
+    string of at least :data:`_SPAN_MIN` bytes without escapes comes back as a :class:`_Span`
+    view of ``raw`` instead of a copy, and the JSON around them may be at most ``spans`` bytes
+    (413 past it): only that much is parsed, and the parse holds the GIL."""
+    found: dict[str, tuple[int, int]] = {}
+    skeleton: bytes | bytearray
+    if spans is not None:
+        skeleton, found = _cut_long_strings(raw)
+        if len(skeleton) > spans:
+            raise _refused(f"the body's JSON outside its long strings is {len(skeleton)} bytes, "
+                           f"over the limit of {spans}", 413)
+    else:
+        assert isinstance(raw, bytearray)
+        skeleton = raw
+    if not skeleton.strip():
+        return {}
+    try:
+        body = json.loads(skeleton, parse_int=_parse_int)
+    except RecursionError:
+        raise _refused("body is nested too deeply to be a request") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _refused(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _refused(f"body must be a JSON object, got {type(body).__name__}")
+    if found:
+        _restore(body, found, memoryview(raw))
+    return body
+
+
+def _cut_long_strings(raw: Body) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """``raw`` with every string literal of at least :data:`_SPAN_MIN` bytes and no escapes
+    replaced by a placeholder literal; and placeholder -> (start, end) of its bytes in ``raw``.
+    JSON strings are delimited by the only unescaped quotes, so a scan from quote to quote
+    finds them exactly; placeholders carry a random nonce, so no client text can be one."""
+    nonce = secrets.token_hex(16)
+    view = memoryview(raw)
+    pieces: list[bytes | memoryview] = []
+    found: dict[str, tuple[int, int]] = {}
+    pos = scan = 0
+    while (start := raw.find(b'"', scan)) >= 0:
+        end = start
+        while True:
+            end = raw.find(b'"', end + 1)
+            if end < 0:  # unterminated: json.loads says so
+                pieces.append(view[pos:])
+                return b"".join(pieces), found
+            backslash = end - 1
+            while raw[backslash] == 0x5C:
+                backslash -= 1
+            if (end - 1 - backslash) % 2 == 0:
+                break
+        if end - start - 1 >= _SPAN_MIN and raw.find(b"\\", start + 1, end) < 0:
+            key = f"residency-{nonce}-{len(found)}"
+            found[key] = (start + 1, end)
+            pieces += [view[pos:start], f'"{key}"'.encode()]
+            pos = end + 1
+        scan = end + 1
+    pieces.append(view[pos:])
+    return b"".join(pieces), found
+
+
+def _restore(body: dict[str, Any], found: Mapping[str, tuple[int, int]], raw: memoryview) -> None:
+    """Make every placeholder in ``body`` (key or value, at any depth) a :class:`_Span`."""
+
+    def span(key: str) -> _Span:
+        start, end = found[key]
+        out = _Span(f"<{end - start} characters at byte {start}>")
+        out.view = raw[start:end]
+        return out
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, str) and value in found:
+            return span(value)
+        if isinstance(value, dict | list):
+            stack.append(value)
+        return value
+
+    stack: list[Any] = [body]
+    while stack:  # iterative: bodies may be nested as deep as json.loads allows
+        node = stack.pop()
+        if isinstance(node, list):
+            node[:] = [fix(v) for v in node]
+        else:
+            items = [(fix(k), fix(v)) for k, v in node.items()]
+            node.clear()
+            node.update(items)
 
 
 async def _body(request: Request, limit: int) -> dict[str, Any]:
     """The JSON object body (``{}`` when empty), read at most ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _refused(f"body of {int(declared)} bytes is over the limit of {limit}", 413)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _refused(f"body is over the limit of {limit} bytes", 413)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _refused(f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise _refused(f"body must be a JSON object, got {type(body).__name__}")
-    return body
+    return _parse(await _read(request, limit))
 
 
 # -- the app's state ----------------------------------------------------------------------
@@ -123,6 +291,8 @@ class _Service:
     metrics: ControllerMetrics
     body_limit: int
     upload_limit: int
+    fd_timeout: float = FD_TIMEOUT
+    file_check_timeout: float = 10.0
 
     @property
     def ctl(self) -> LifecycleController:
@@ -190,18 +360,94 @@ async def _update(service: _Service, call: Callable[[], Awaitable[Any]]) -> Resp
         raise _refused(str(exc), 503) from None
 
 
+# weight_update_mode values served: a full replacement (the default). LoRA merges
+# ("lora_merge") are refused until they are implemented, rather than applied as replacements.
+UPDATE_MODES: tuple[str | None, ...] = (None, "full")
+
+
+def _update_mode(body: Mapping[str, Any]) -> None:
+    mode = _field(body, "weight_update_mode", "string")
+    if mode not in UPDATE_MODES:
+        raise _refused(f"weight_update_mode {mode[:60]!r} is not supported; accepted: 'full' (the "
+                       "default, a replacement of the named tensors): LoRA merges are not "
+                       "implemented yet")
+
+
+_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+
+
+def _irregular_weight_file(root: str, components: Sequence[str]) -> str | None:
+    """The first file a disk update would open that is not a regular file (a FIFO or a device
+    blocks the native reader, which holds the GIL: the whole process would hang), with what it
+    is; None when all are regular. Only ``stat``: nothing is opened."""
+    try:
+        if stat.S_ISREG(os.stat(root).st_mode):
+            return None
+    except OSError:
+        return None  # the controller says it does not exist
+    for component in components:
+        folder = Path(root, component)
+        if not folder.is_dir():
+            continue
+        for file in sorted(folder.glob("*.safetensors")):  # what the controller opens
+            try:
+                mode = os.stat(file).st_mode
+            except OSError:
+                continue  # a dangling link: the controller cannot read it either
+            if not stat.S_ISREG(mode):
+                return f"{file} is {_FILE_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}"
+    return None
+
+
 async def update_from_disk(request: Request) -> Response:
     service = _service(request)
     body = await _body(request, service.body_limit)
     path = _field(body, "model_path", "string", required=True)
+    if "\0" in path:
+        raise _refused("model_path must not contain a NUL character")
     targets = _field(body, "target_modules", "list of strings")
     _field(body, "flush_cache", "boolean")  # accepted; nothing to flush in a diffusion server
+    _update_mode(body)
+    components = list(service.ctl.components) if targets is None else targets
+    timeout = service.file_check_timeout
+    try:
+        with anyio.fail_after(timeout):
+            irregular = await anyio.to_thread.run_sync(
+                _irregular_weight_file, path, components, abandon_on_cancel=True)
+    except TimeoutError:
+        raise _refused(f"model_path {path!r} did not answer within {timeout:g} s (a hung file "
+                       "system?); nothing was read") from None
+    if irregular is not None:
+        raise _refused(f"weight file {irregular}, not a regular file; nothing was read")
     return await _update(service, lambda: service.driver.update_from_disk(path, targets))
+
+
+def _relative_names(service: _Service, named: Sequence[tuple[str, torch.Tensor]],
+                    target: str) -> None:
+    """Refuse names given with the module's own prefix (``transformer.x.weight`` for module
+    ``transformer``): names are relative to the module, as the reference takes them."""
+    module = service.ctl.components.get(target)
+    if module is None:
+        return  # the controller names the unknown module
+    known = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    known.update(n for n, _ in module.named_buffers(remove_duplicate=False))
+    prefix = f"{target}."
+    doubled = [n for n, _ in named
+               if n.startswith(prefix) and n not in known and n[len(prefix):] in known]
+    if doubled:
+        more = f" (and {len(doubled) - 5} more)" if len(doubled) > 5 else ""
+        raise _refused(f"tensor names are relative to module {target!r}: {doubled[:5]}{more} "
+                       f"name no tensor of it; send them without the {prefix!r} prefix (e.g. "
+                       f"{doubled[0][len(prefix):]!r}); nothing was updated")
 
 
 async def update_from_tensor(request: Request) -> Response:
     service = _service(request)
-    body = await _body(request, service.upload_limit)
+    raw = await _read(request, service.upload_limit, mapped=True)
+    # In a worker thread: scanning a gigabyte for its strings takes a while.
+    body = await anyio.to_thread.run_sync(
+        functools.partial(_parse, raw, spans=service.body_limit))
     payloads = _field(body, "serialized_named_tensors", "list of strings", required=True)
     if len(payloads) != 1:
         raise _refused(f"serialized_named_tensors must hold exactly one entry (one rank), got "
@@ -210,10 +456,25 @@ async def update_from_tensor(request: Request) -> Response:
     if len(targets) != 1:
         raise _refused(f"target_modules must name exactly one module, got {targets}")
     load_format = _field(body, "load_format", "string")
+    _update_mode(body)
+    entry = payloads[0]
+    text: str | memoryview = entry.view if isinstance(entry, _Span) else entry
+    del body, payloads, entry
     try:
-        named = await anyio.to_thread.run_sync(decode_named_tensors, payloads[0], load_format)
+        check_load_format(load_format)
+        # The base64 is decoded in place in the body's buffer, and the tensors are views of the
+        # decoded bytes where they can be: the upload's memory is about the body's size.
+        data = await anyio.to_thread.run_sync(decode_base64, text)
+        del text
+        named = await anyio.to_thread.run_sync(functools.partial(
+            decode_payload, data, load_format, fd_timeout=service.fd_timeout))
+        del data, raw
     except TransportError as exc:
         raise _refused(f"serialized_named_tensors[0]: {exc}") from None
+    if not named:
+        raise _refused("serialized_named_tensors[0] holds no tensors; an update writes at least "
+                       "one, nothing was updated")
+    _relative_names(service, named, targets[0])
     return await _update(service,
                          lambda: service.driver.update_from_tensors(named, targets[0]))
 
@@ -261,7 +522,7 @@ async def health(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     service = _service(request)
     await _body(request, service.body_limit)
-    service.ctl.device_layer.empty_cache()
+    await service.ctl.device_layer.release_cache()
     return JSONResponse({"success": True})
 
 
@@ -296,7 +557,7 @@ ROUTES: dict[str, tuple[Callable[[Request], Awaitable[Response]], tuple[str, ...
 # -- errors -------------------------------------------------------------------------------
 async def _bad_request(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, BadRequest)
-    return JSONResponse(exc.body, status_code=exc.status)
+    return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -310,6 +571,11 @@ async def _library_error(request: Request, exc: Exception) -> Response:
     return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
 
 
+async def _gone(request: Request, exc: Exception) -> Response:
+    # The client went away mid-body: nobody reads this answer; not our bug either.
+    return JSONResponse({"success": False, "message": "the client disconnected"}, status_code=400)
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     _log.error("http.internal_error path=%s error=%s", request.url.path, type(exc).__name__)
     return JSONResponse({"success": False, "message": f"internal error: {type(exc).__name__}"},
@@ -317,13 +583,38 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 # -- middleware ---------------------------------------------------------------------------
-class _Gatekeeper:
-    """API key check, one log line and one metrics count per request."""
+def _timed_receive(receive: Receive, timeout: float) -> Receive:
+    """``receive`` that raises a 408 :class:`BadRequest` when the next piece of the request
+    body does not come within ``timeout`` seconds (a client that declared more than it sends
+    would otherwise hold the request forever); untimed once the body is complete."""
+    complete = False
 
-    def __init__(self, app: ASGIApp, service: _Service, api_key: str | None) -> None:
+    async def timed() -> Message:
+        nonlocal complete
+        if complete:
+            return await receive()
+        try:
+            with anyio.fail_after(timeout):
+                message = await receive()
+        except TimeoutError:
+            raise BadRequest(408, {"success": False, "message": f"the request body stopped "
+                                   f"arriving ({timeout:g} s without a byte)"},
+                             {"connection": "close"}) from None
+        complete = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    return timed
+
+
+class _Gatekeeper:
+    """API key check, the body read timeout, one log line and one metrics count per request."""
+
+    def __init__(self, app: ASGIApp, service: _Service, api_key: str | None,
+                 body_timeout: float | None) -> None:
         self.app = app
         self.service = service
         self.api_key = api_key
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -339,44 +630,66 @@ class _Gatekeeper:
                 status = message["status"]
             await send(message)
 
+        if self.body_timeout is not None:
+            receive = _timed_receive(receive, self.body_timeout)
         try:
-            if self._authorized(scope):
+            refusal = self._refusal(scope)
+            if refusal is None:
                 await self.app(scope, receive, send_status)
             else:
-                await JSONResponse({"error": "Unauthorized"}, status_code=401)(
-                    scope, receive, send_status)
+                await refusal(scope, receive, send_status)
         finally:
             label = path if path in ROUTES else "other"
             self.service.metrics.count_request(label, status)
             _log.info("%s %s %d %.1f ms", scope["method"], path, status,
                       1e3 * (time.perf_counter() - t0))
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _refusal(self, scope: Scope) -> Response | None:
+        """None when the request may go on; else its answer: 401 without the key, 400 with
+        more than one ``Authorization`` header (which one would count?)."""
         route = ROUTES.get(scope["path"])
         if self.api_key is None or (route is not None and not route[2]):
-            return True
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode())
+            return None
+        headers = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
+        if len(headers) > 1:
+            message = f"the request has {len(headers)} Authorization headers; send one"
+            return JSONResponse({"success": False, "error": message, "message": message},
+                                status_code=400)
+        scheme, _, token = (headers[0] if headers else b"").decode("latin-1").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"),
+                                                              self.api_key.encode()):
+            return None
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
 
 
 def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
                api_key: str | None = None, metrics: ControllerMetrics | None = None,
                driver: Driver | None = None,
                body_limit: int = MiB, upload_limit: int = 1024 * MiB,
+               body_timeout: float | None = 30.0, fd_timeout: float = FD_TIMEOUT,
+               file_check_timeout: float = 10.0,
                on_startup: Callable[[], Awaitable[None]] | None = None,
                on_shutdown: Callable[[], Awaitable[None]] | None = None) -> ASGIApp:
     """The ASGI app serving ``ctl``: the routes of :data:`ROUTES`, JSON everywhere.
 
     ``generate`` serves ``/generate`` (see :func:`demo_generate`); ``api_key`` protects every
-    path but ``/health*`` and ``/metrics``; ``metrics`` defaults to a fresh
-    :class:`~lifecycle.metrics.ControllerMetrics`; ``body_limit`` / ``upload_limit`` bound
-    request bodies (the tensor upload gets the larger one). ``on_startup`` / ``on_shutdown``
-    run in the server's lifespan (``residency serve`` attaches and detaches there);
-    ``driver`` replaces the direct calls to ``ctl`` (several ranks: every call on every rank)."""
+    path but ``/health*`` and ``/metrics`` (an empty key is refused: it would admit an empty
+    token); ``metrics`` defaults to a fresh :class:`~lifecycle.metrics.ControllerMetrics`;
+    ``body_limit`` / ``upload_limit`` bound request bodies (the tensor upload gets the larger
+    one); ``body_timeout``: seconds without a byte of a body being read before a 408 (None:
+    wait forever); ``fd_timeout``: seconds each step of a ``file_descriptor`` handshake of a
+    pickled upload may take; ``file_check_timeout``: seconds a disk update's look at its weight
+    files may take (a hung file system) before a 400. ``on_startup`` / ``on_shutdown`` run in
+    the server's lifespan (``residency serve`` attaches and detaches there); ``driver``
+    replaces the direct calls to ``ctl`` (several ranks: every call on every rank).
+
+    Header read timeouts and a connection limit belong to the HTTP server: see
+    :func:`lifecycle.http.uvicorn_config`."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key is empty: it would admit 'Authorization: Bearer ' with no "
+                         "token; give a key, or None to serve without one")
     service = _Service(driver or LocalDriver(ctl, generate), metrics or ControllerMetrics(ctl),
-                       body_limit, upload_limit)
+                       body_limit, upload_limit, fd_timeout, file_check_timeout)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -392,10 +705,11 @@ def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
         routes=[Route(path, handler, methods=list(methods))
                 for path, (handler, methods, _) in ROUTES.items()],
         exception_handlers={BadRequest: _bad_request, HTTPException: _http_error,
-                            LifecycleError: _library_error, Exception: _internal_error},
+                            LifecycleError: _library_error, ClientDisconnect: _gone,
+                            Exception: _internal_error},
         lifespan=lifespan)
     app.state.service = service
-    return _Gatekeeper(app, service, api_key)
+    return _Gatekeeper(app, service, api_key, body_timeout)
 
 
 # -- the demo pipeline's generation ---------------------------------------------------------
@@ -404,7 +718,8 @@ def demo_generate(pipe: Any) -> Generate:
     int}``; answers the image's shape, dtype and the SHA-256 of its bytes."""
 
     async def run(ctl: LifecycleController, body: Mapping[str, Any]) -> Mapping[str, Any]:
-        seed = _field(body, "seed", "integer", default=0)
+        # torch.Generator.manual_seed's range
+        seed = _field(body, "seed", "integer", default=0, bounds=(-(2**63), 2**64 - 1))
         steps = _field(body, "steps", "integer", default=3)
         if not 1 <= steps <= 100:
             raise _refused(f"steps must be between 1 and 100, got {steps}")

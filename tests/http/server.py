@@ -39,7 +39,7 @@ def running_server(pipe: Any, generate: Generate | None, ctl: LifecycleControlle
 
     app = create_app(ctl, generate=generate, on_startup=startup, on_shutdown=ctl.aclose,
                      **app_options)
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
