@@ -12,7 +12,10 @@ application's* logging configuration decides what is shown and where:
 * ``store.rescan`` (warning): a component whose tensors were replaced behind our back;
 * ``use.release_failed`` / ``prefetch.failed`` (warning): a lease or prefetch that failed;
 * ``update.cast`` / ``update.skipped_components`` (info), ``update.mirror_stale``
-  (warning): weight-update details.
+  (warning): weight-update details;
+* ``weight_sync.joined`` / ``weight_sync.destroyed`` (info), ``weight_sync.broken``
+  (warning), ``weight_sync.drained`` (info: a refused update's broadcast received and
+  dropped): weight update groups (``group``, ``rank``).
 
 Events inside a transition also carry ``transition`` and ``transition_id`` (structlog
 context variables bound by the controller). Tensors are never logged, only their shape,
@@ -50,12 +53,17 @@ UPDATE_SKIPPED_COMPONENTS = "update.skipped_components"
 UPDATE_MIRROR_STALE = "update.mirror_stale"
 PLAN_APPLIED = "plan.applied"
 PLAN_ROLLED_BACK = "plan.rolled_back"
+WEIGHT_SYNC_JOINED = "weight_sync.joined"
+WEIGHT_SYNC_DESTROYED = "weight_sync.destroyed"
+WEIGHT_SYNC_BROKEN = "weight_sync.broken"
+WEIGHT_SYNC_DRAINED = "weight_sync.drained"
 
 #: Every event name the library emits.
 EVENTS = frozenset({
     TRANSITION_COMMITTED, TRANSITION_REJECTED, TRANSITION_ROLLED_BACK, MOVE_PREPARED,
     STORE_RESCAN, USE_RELEASE_FAILED, PREFETCH_FAILED, UPDATE_CAST,
     UPDATE_SKIPPED_COMPONENTS, UPDATE_MIRROR_STALE, PLAN_APPLIED, PLAN_ROLLED_BACK,
+    WEIGHT_SYNC_JOINED, WEIGHT_SYNC_DESTROYED, WEIGHT_SYNC_BROKEN, WEIGHT_SYNC_DRAINED,
 })
 
 __all__ = [
@@ -72,6 +80,10 @@ __all__ = [
     "UPDATE_MIRROR_STALE",
     "UPDATE_SKIPPED_COMPONENTS",
     "USE_RELEASE_FAILED",
+    "WEIGHT_SYNC_BROKEN",
+    "WEIGHT_SYNC_DESTROYED",
+    "WEIGHT_SYNC_DRAINED",
+    "WEIGHT_SYNC_JOINED",
     "EventSink",
     "add_event_sink",
     "configure_logging",

@@ -45,9 +45,18 @@ from torch import nn
 
 from strategies import DeviceLayer, ResidencyStrategy
 
+from ._checksum import ChecksumAlgorithm
 from ._controller import LifecycleController
 from ._phase import Phase
-from ._results import OccupationResult, PlacementReport, UpdateResult
+from ._results import (
+    OccupationResult,
+    PlacementReport,
+    TensorHashCheck,
+    UpdateResult,
+    WeightUpdateGroupResult,
+    WeightUpdateGroupState,
+)
+from ._weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT
 
 __all__ = ["SyncLifecycleController"]
 
@@ -252,6 +261,16 @@ class SyncLifecycleController:
         return self._ctl().weights_version
 
     @property
+    def weight_version_label(self) -> str | None:
+        """The trainer's ``weight_version`` of the weights served, if one was given."""
+        return self._ctl().weight_version_label
+
+    @property
+    def weight_update_groups(self) -> Mapping[str, WeightUpdateGroupState]:
+        """This rank's weight update groups by name."""
+        return self._ctl().weight_update_groups
+
+    @property
     def auto_wake(self) -> bool:
         """Whether a ``use()`` while sleeping wakes the pipeline."""
         return self._ctl().auto_wake
@@ -303,22 +322,66 @@ class SyncLifecycleController:
         return self._run(self._controller.resume_memory_occupation)
 
     def update_weights_from_disk(self, model_path: str | os.PathLike[str],
-                                 target_modules: Sequence[str] | None = None) -> UpdateResult:
+                                 target_modules: Sequence[str] | None = None, *,
+                                 weight_version: str | None = None,
+                                 flush_cache: bool = False) -> UpdateResult:
         """Load new weights from safetensors files, all or nothing."""
         return self._run(lambda: self._controller.update_weights_from_disk(
-            model_path, target_modules))
+            model_path, target_modules, weight_version=weight_version, flush_cache=flush_cache))
 
     def update_weights_from_tensors(
             self, named_tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
-            target_module: str = "transformer") -> UpdateResult:
-        """Write ``named_tensors`` into ``target_module``, all or nothing."""
+            target_module: str = "transformer", *, weight_update_mode: str | None = None,
+            lora_alpha: float | None = None, lora_rank: int | None = None,
+            weight_version: str | None = None, flush_cache: bool = False) -> UpdateResult:
+        """Write ``named_tensors`` into ``target_module`` (or merge LoRA tensors), all or
+        nothing."""
         return self._run(lambda: self._controller.update_weights_from_tensors(
-            named_tensors, target_module))
+            named_tensors, target_module, weight_update_mode=weight_update_mode,
+            lora_alpha=lora_alpha, lora_rank=lora_rank, weight_version=weight_version,
+            flush_cache=flush_cache))
 
-    def weights_checksum(self, components: Sequence[str] | None = None) -> dict[str, str]:
+    def weights_checksum(self, components: Sequence[str] | None = None, *,
+                         algorithm: ChecksumAlgorithm = "reference") -> dict[str, str]:
         """SHA-256 per component, hashed under the controller's lock (no transition races
         it)."""
-        return self._run(lambda: self._controller.weights_checksum_async(components))
+        return self._run(lambda: self._controller.weights_checksum_async(
+            components, algorithm=algorithm))
+
+    def check_tensor_hashes(self, target_module: str, expected: Mapping[str, str]
+                            ) -> TensorHashCheck:
+        """Compare the clients' per-tensor SHA-256 with ``target_module``'s tensors."""
+        return self._run(lambda: self._controller.check_tensor_hashes(target_module, expected))
+
+    # -- weight sync over a trainer's process group ---------------------------------------
+    def init_weights_update_group(
+            self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+            group_name: str = "weight_update_group", backend: str = "nccl", *,
+            timeout: float = DEFAULT_TIMEOUT, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+            ) -> WeightUpdateGroupResult:
+        """Join the trainer's weight update group."""
+        return self._run(lambda: self._controller.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend,
+            timeout=timeout, bucket_bytes=bucket_bytes))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group"
+                                     ) -> WeightUpdateGroupResult:
+        """Leave the group (an absent group is a success)."""
+        return self._run(lambda: self._controller.destroy_weights_update_group(group_name))
+
+    def update_weights_from_distributed(
+            self, names: Sequence[str], dtypes: Sequence[str | torch.dtype],
+            shapes: Sequence[Sequence[int]], group_name: str = "weight_update_group",
+            target_modules: Sequence[str] = ("transformer",), *, flush_cache: bool = False,
+            weight_version: str | None = None, weight_update_mode: str | None = None,
+            lora_alpha: float | None = None, lora_rank: int | None = None,
+            timeout: float = DEFAULT_TIMEOUT, bucket_bytes: int | None = None) -> UpdateResult:
+        """Receive the trainer's broadcast into ``target_modules[0]``, all or nothing."""
+        return self._run(lambda: self._controller.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, target_modules, flush_cache=flush_cache,
+            weight_version=weight_version, weight_update_mode=weight_update_mode,
+            lora_alpha=lora_alpha, lora_rank=lora_rank, timeout=timeout,
+            bucket_bytes=bucket_bytes))
 
     # -- uses --------------------------------------------------------------------------
     @contextmanager

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import torch
 from safetensors import SafetensorError, safe_open
 
-from strategies import FileRegion, TensorStore, WriteSource, safetensors_regions
+from strategies import FileRegion, PreparedMove, TensorStore, WriteSource, safetensors_regions
 
 from . import _events as events
 from ._events import get_logger
@@ -61,6 +62,10 @@ class UpdatePlan:
     components: tuple[str, ...]
     casts: list[str] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)  # open safetensors files
+    # LoRA merges (lifecycle._lora): (component, tensor) written as base + adapter, whose kept
+    # base stays; and the bases first taken by this update, kept from its commit on.
+    merged: set[tuple[str, str]] = field(default_factory=set)
+    captured: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -71,10 +76,20 @@ class UpdatePlan:
         return [WriteSource(w.name, w.load, w.region) for w in self.writes
                 if w.component == component]
 
+    async def write(self, stores: Mapping[str, TensorStore], moves: list[PreparedMove],
+                    limiter: anyio.CapacityLimiter | None) -> None:
+        """Prepare every write (undoably), appending the prepared moves to ``moves`` as they
+        are made (so that a failure undoes those already made): one per component."""
+        for name in self.components:
+            sources = self.sources(name)
+            if sources:
+                moves.append(await stores[name].prepare_write(sources, limiter))
+
     def close(self) -> None:
         for h in self.handles:
             h.__exit__(None, None, None)
         self.handles.clear()
+        self.captured.clear()  # kept by the commit that registered them, if any
 
 
 def _shape(shape: Iterable[int]) -> str:

@@ -21,6 +21,9 @@ Metrics (``residency_`` prefix):
   :meth:`~lifecycle.LifecycleController.report` at scrape time (components appear and
   disappear with attach and detach);
 * ``residency_in_flight``, ``residency_weights_version``: read at scrape time;
+* ``residency_weight_version_info{version}``: 1, labelled with the ``weight_version`` the
+  trainer gave the weights served (:attr:`~lifecycle.LifecycleController.
+  weight_version_label`); absent until an update gives one;
 * ``residency_requests_total{path,status}``: counted by the HTTP layer through
   :meth:`ControllerMetrics.count_request`.
 
@@ -59,8 +62,9 @@ __all__ = ["ControllerMetrics"]
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-_TRIGGERS = ("attach", "detach", "sleep", "wake", "update_from_disk", "update_from_tensors")
-_UPDATES = frozenset({"update_from_disk", "update_from_tensors"})
+_TRIGGERS = ("attach", "detach", "sleep", "wake", "update_from_disk", "update_from_tensors",
+             "update_from_distributed")
+_UPDATES = frozenset({"update_from_disk", "update_from_tensors", "update_from_distributed"})
 # Series created at zero, so that rates work from the first scrape: the outcomes each
 # trigger can have.
 _KNOWN_OUTCOMES: dict[str, tuple[str, ...]] = {
@@ -70,6 +74,7 @@ _KNOWN_OUTCOMES: dict[str, tuple[str, ...]] = {
     "wake": ("committed", "noop", "refused", "rolled_back", "cancelled"),
     "update_from_disk": ("committed", "refused", "rolled_back", "cancelled"),
     "update_from_tensors": ("committed", "refused", "rolled_back", "cancelled"),
+    "update_from_distributed": ("committed", "refused", "rolled_back", "cancelled"),
 }
 _DIRECTIONS = ("to_host", "to_device", "written")
 _COUNTED = frozenset({events.TRANSITION_COMMITTED, events.TRANSITION_REJECTED,
@@ -91,7 +96,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         ctl = self._ctl
         families = self._families()
-        phase_gauge, device, host, in_flight, version = families
+        phase_gauge, device, host, in_flight, version, label = families
         current = ctl.phase
         for phase in Phase:
             phase_gauge.add_metric([phase.value], 1.0 if phase is current else 0.0)
@@ -100,6 +105,8 @@ class _StateCollector(Collector):
             host.add_metric([name], float(placement[1]))
         in_flight.add_metric([], float(ctl.in_flight))
         version.add_metric([], float(ctl.weights_version))
+        if ctl.weight_version_label is not None:
+            label.add_metric([ctl.weight_version_label], 1.0)
         return families
 
     def _components(self) -> dict[str, tuple[int, int]]:
@@ -125,6 +132,9 @@ class _StateCollector(Collector):
                               labels=["component"]),
             GaugeMetricFamily("residency_in_flight", "Live leases: uses in progress and prefetches."),
             GaugeMetricFamily("residency_weights_version", "Successful weight updates so far."),
+            GaugeMetricFamily("residency_weight_version_info",
+                              "1, labelled with the trainer's weight_version of the weights "
+                              "served.", labels=["version"]),
         ]
 
 

@@ -115,7 +115,7 @@ class Soak:
         self.check("faults", ok and layer.faults == fired + 1, f"cycle {i}: {kind} fault not raised")
         self.check("faults", (ctl.phase, ctl.weights_version) == (phase, version + landed)
                    and (landed or ctl.report() == report), f"cycle {i}: {kind} fault left a wrong state")
-        self.check("checksums", ctl.weights_checksum() == self.sums[now],
+        self.check("checksums", ctl.weights_checksum(algorithm="full") == self.sums[now],
                    f"cycle {i}: weights after a faulted {kind} are not version {now}")
         return now
 
@@ -132,7 +132,7 @@ class Soak:
             self.check("phases", (await ctl.update_weights_from_tensors(self.versions[v])).success,
                        f"update to {v} failed")
             refs[v] = await pipe.generate(ctl=ctl, steps=1, seed=args.seed)
-            self.sums[v] = ctl.weights_checksum()
+            self.sums[v] = ctl.weights_checksum(algorithm="full")
         self.check("versions_distinct", not torch.equal(refs["A"], refs["B"])
                    and self.sums["A"] != self.sums["B"], "versions A and B are indistinguishable")
         c0 = layer.copies  # the copies of a dirty sleep and of an update: where a fault can hit
@@ -164,7 +164,7 @@ class Soak:
                 self.check("phases", u.success and ctl.phase is Phase.AWAKE, f"cycle {i}: update {u}")
                 current = OTHER[current] if u.success else current
             if i % CHECK_EVERY == 0 or i == args.cycles:
-                self.check("checksums", ctl.weights_checksum() == self.sums[current],
+                self.check("checksums", ctl.weights_checksum(algorithm="full") == self.sums[current],
                            f"cycle {i}: checksum != version {current}")
             self.check("in_flight", ctl.in_flight == 0, f"cycle {i}: {ctl.in_flight} leases held")
             if i % CHECK_EVERY == 0 or i in (warm, args.cycles):

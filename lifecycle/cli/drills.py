@@ -349,7 +349,7 @@ class _Runner:
         return True, f"waited {a['ms']:g} ms", 0
 
     async def checkpoint(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
-        self.checksums[a["name"]] = self.ctl.weights_checksum()
+        self.checksums[a["name"]] = self.ctl.weights_checksum(algorithm="full")
         return True, f"checksums recorded as {a['name']!r}", 0
 
     async def update(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
@@ -398,7 +398,7 @@ class _Runner:
                 ref_sums = self.checksums.get(a[key])
                 if ref_sums is None:
                     problems.append(f"no checkpoint named {a[key]!r}")
-                elif (self.ctl.weights_checksum() == ref_sums) is not same:
+                elif (self.ctl.weights_checksum(algorithm="full") == ref_sums) is not same:
                     problems.append(f"checksums {'differ from' if same else 'equal'} {a[key]!r}")
         return not problems, "; ".join(problems) or "met", 0
 

@@ -4,6 +4,7 @@ loop free and never takes the application's share of anyio's worker threads."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -11,7 +12,7 @@ import pytest
 
 import lifecycle._controller as controller_module
 from lifecycle import LifecycleController, Phase
-from lifecycle._updates import checksum as real_checksum
+from lifecycle._checksum import component_checksum as real_checksum
 from tests.helpers import small_pipeline
 
 pytestmark = pytest.mark.anyio
@@ -57,12 +58,12 @@ async def test_checksum_async_hashes_in_a_worker_thread_and_agrees(
     threads: list[threading.Thread] = []
     real = real_checksum
 
-    def spy(store: object) -> str:
+    def spy(*args: Any) -> str:
         threads.append(threading.current_thread())
-        return real(store)  # type: ignore[arg-type]
+        return real(*args)
 
     expected = ctl.weights_checksum()
-    monkeypatch.setattr(controller_module, "checksum", spy)
+    monkeypatch.setattr(controller_module, "component_checksum", spy)
     assert await ctl.weights_checksum_async() == expected
     assert threads and all(t is not threading.main_thread() for t in threads)
 

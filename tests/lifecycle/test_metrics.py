@@ -124,7 +124,7 @@ async def test_unseen_series_are_exported_at_zero() -> None:
     assert set(transitions.values()) == {0.0}
     assert set(series(metrics, "residency_transition_seconds_count", "trigger")) == {
         (t,) for t in ("attach", "detach", "sleep", "wake", "update_from_disk",
-                       "update_from_tensors")}
+                       "update_from_tensors", "update_from_distributed")}
     assert moved(metrics) == {"to_host": 0, "to_device": 0, "written": 0}
     assert series(metrics, "residency_requests_total", "path", "status") == {}
     metrics.close()

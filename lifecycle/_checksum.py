@@ -1,0 +1,127 @@
+"""Checksums of weights: the reference's component checksum, ours, and the per-tensor hash.
+
+Three hashes, each for whom it serves:
+
+* ``"reference"`` (:func:`reference_checksum`), what ``weights_checksum()`` answers: the
+  reference system's ``compute_weights_checksum``, which trainers compare with their own after
+  each weight sync. SHA-256 over the component's *parameters* (``named_parameters()``: tied
+  parameters once, under their first name) sorted by name; for each, ``name.encode()`` then the
+  tensor's contiguous bytes. Buffers are not in it, nor dtypes or shapes.
+* ``"full"`` (:func:`lifecycle._updates.checksum`): every tensor the library manages
+  (parameters, buffers, plain tensor attributes), each with its dtype and shape: what the
+  library's own integrity checks use (a sleep/wake or a rolled-back update keeps buffers too).
+* :func:`tensor_sha256`, per tensor, as the reference's clients compute it for
+  ``/update_weights_from_tensor_checker``: SHA-256 of ``str(dtype)``, then
+  ``repr(tuple(shape))``, then the contiguous bytes.
+
+All read the bytes from wherever they live (device, host mirror, a released layer's store),
+so the same weights hash the same whatever the residency. Never called on the event loop by
+the controller: hashing runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from strategies import TensorStore
+
+from ._errors import InvalidRequest
+from ._results import TensorHashCheck
+from ._updates import checksum as full_checksum
+
+__all__ = ["ALGORITHMS", "ChecksumAlgorithm", "check_expected", "check_hashes", "component_checksum",
+           "reference_checksum", "tensor_sha256"]
+
+ChecksumAlgorithm = Literal["reference", "full"]
+ALGORITHMS: tuple[str, ...] = get_args(ChecksumAlgorithm)
+
+
+def _feed(h: hashlib._Hash, t: torch.Tensor) -> None:
+    """The tensor's contiguous bytes into ``h``, hashed in place (no copy into ``bytes``)."""
+    local = t.detach()
+    to_local = getattr(local, "to_local", None)  # a DTensor: this rank's shard
+    if callable(to_local):
+        local = to_local()
+    c = local.to("cpu").contiguous()
+    if c.numel():
+        h.update((ctypes.c_char * c.nbytes).from_address(c.data_ptr()))
+
+
+def reference_checksum(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The reference's checksum: SHA-256 over ``named_parameters`` sorted by name, each
+    ``name.encode()`` then the tensor's contiguous bytes."""
+    h = hashlib.sha256()
+    for name, t in sorted(named_parameters, key=lambda nt: nt[0]):
+        h.update(name.encode())
+        _feed(h, t)
+    return h.hexdigest()
+
+
+def component_checksum(module: nn.Module, store: TensorStore,
+                       algorithm: ChecksumAlgorithm = "reference") -> str:
+    """One component's checksum by ``algorithm`` (see the module docstring)."""
+    if algorithm == "reference":
+        return reference_checksum(module.named_parameters())
+    if algorithm == "full":
+        return full_checksum(store)
+    raise InvalidRequest("algorithm", f"checksum algorithm must be one of {list(ALGORITHMS)}, "
+                                      f"got {algorithm!r}")
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """The reference clients' per-tensor hash: SHA-256 of ``str(dtype)``, then
+    ``repr(tuple(shape))``, then the contiguous bytes."""
+    h = hashlib.sha256()
+    h.update(str(t.dtype).encode())
+    h.update(repr(tuple(t.shape)).encode())
+    _feed(h, t)
+    return h.hexdigest()
+
+
+def check_expected(expected: object) -> dict[str, str]:
+    """``expected`` as ``{name: lower-case hex}``, or :class:`InvalidRequest`."""
+    if not isinstance(expected, Mapping) or not expected:
+        raise InvalidRequest("expected_named_tensors_sha256",
+                             "expected_named_tensors_sha256 is required: a non-empty mapping "
+                             f"of tensor name to SHA-256 hex, got {type(expected).__name__}")
+    out: dict[str, str] = {}
+    for name, digest in expected.items():
+        if not isinstance(name, str) or not isinstance(digest, str):
+            raise InvalidRequest("expected_named_tensors_sha256",
+                                 "expected_named_tensors_sha256 must map names (str) to SHA-256 "
+                                 f"hex strings, got {type(name).__name__}: "
+                                 f"{type(digest).__name__}")
+        out[name] = digest.strip().lower()
+    return out
+
+
+def check_hashes(store: TensorStore, target: str, expected: Mapping[str, str]
+                 ) -> TensorHashCheck:
+    """Compare each expected tensor's :func:`tensor_sha256` with the one of the tensor of
+    that name (any of its names: parameter, buffer) in ``store``."""
+    mismatched: list[str] = []
+    missing: list[str] = []
+    for name, digest in expected.items():
+        tensor = store.tensor_named(name)
+        if tensor is None:
+            missing.append(name)
+        elif tensor_sha256(tensor) != digest:
+            mismatched.append(name)
+    checked = len(expected)
+    if not mismatched and not missing:
+        return TensorHashCheck(True, f"all {checked} tensor(s) of {target} match", target,
+                               checked)
+    parts = []
+    if mismatched:
+        parts.append(f"{len(mismatched)} mismatched: {mismatched}")
+    if missing:
+        parts.append(f"{len(missing)} missing from {target}: {missing}")
+    return TensorHashCheck(False, f"{len(mismatched) + len(missing)} of {checked} tensor(s) "
+                           f"of {target} do not match; " + "; ".join(parts), target, checked,
+                           tuple(mismatched), tuple(missing))
