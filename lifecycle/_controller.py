@@ -57,21 +57,26 @@ from strategies import (
 from . import _events as events
 from ._admission import Admission
 from ._checkpoint import gbps
+from ._checksum import ChecksumAlgorithm, check_expected, check_hashes, component_checksum
 from ._errors import (
     NOT_INITIALIZED,
     ComponentAsleep,
+    ComponentBusy,
     ComponentNotPlaced,
     DrainTimeout,
     FSDPInferenceUnsupported,
     GroupBroken,
+    InvalidRequest,
     RanksDisagree,
     TransitionFailed,
     TransitionRejected,
+    UnknownComponent,
     failures_roll_back,
     forget_locals,
 )
 from ._events import get_logger
 from ._group import GroupFailure, RankGroup, Section
+from ._lora import LoraBases, parse_mode, parse_scale, plan_lora_from_tensors
 from ._phase import REFUSALS, TRANSITIONS, Phase, Refusal
 from ._pipeline import components_of
 from ._planner import (
@@ -89,16 +94,19 @@ from ._results import (
     PlacementReport,
     RankChecksums,
     ResidencyChange,
+    TensorHashCheck,
     UpdateResult,
+    WeightUpdateGroupResult,
+    WeightUpdateGroupState,
 )
 from ._updates import (
     UpdatePlan,
     UpdateRefused,
-    checksum,
     plan_from_disk,
     plan_from_tensors,
 )
 from ._uses import Component, UseRecord, Uses
+from ._weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightSync
 
 __all__ = ["LifecycleController"]
 
@@ -217,6 +225,9 @@ class LifecycleController:
         # Worker threads for planning, reading and hashing: the library's own, so that it
         # never takes the application's share of anyio's default limiter.
         self._threads = anyio.CapacityLimiter(2)
+        self._lora = LoraBases()  # the pristine bases of LoRA-merged weights (lifecycle._lora)
+        self._weight_sync = WeightSync()  # groups joined with trainers (lifecycle._weight_sync)
+        self._label: str | None = None  # the trainer's weight_version of the served weights
 
     async def __aenter__(self) -> Self:
         return self
@@ -230,6 +241,7 @@ class LifecycleController:
         with anyio.CancelScope(shield=True):
             if self.phase is not Phase.UNINITIALIZED:
                 await self.detach()
+            await self._weight_sync.aclose()
             await anyio.to_thread.run_sync(self._layer.close, limiter=self._threads)
 
     # -- introspection -----------------------------------------------------------------
@@ -332,14 +344,19 @@ class LifecycleController:
         for name, c in self._uses.components.items():
             r = c.strategy.store.report()
             comps[name] = ComponentPlacement(c.strategy.mode.value, r.device_bytes, r.host_bytes,
-                                             r.pinned_bytes, c.strategy.store.nbytes)
+                                             r.pinned_bytes, c.strategy.store.nbytes,
+                                             self._lora.nbytes(name))
+        reserved = self._layer.reserved()
         return PlacementReport(self.phase, MappingProxyType(comps), self._layer.memory_allocated(),
                                self.rank, self.world_size, self._layer.peak_bytes,
-                               self._layer.allocator_peak())
+                               self._layer.allocator_peak(),
+                               reserved_bytes=None if reserved is None else reserved[0],
+                               reserved_peak_bytes=None if reserved is None else reserved[1],
+                               weight_version=self._label)
 
     def reset_peak(self) -> None:
-        """Start ``report().peak_device_bytes`` (and, on CUDA, the allocator's peak) again
-        from the bytes held now."""
+        """Start ``report().peak_device_bytes`` (and, on CUDA, the allocator's peaks of
+        allocated and reserved bytes) again from the bytes held now."""
         self._layer.reset_peak()
 
     def _device_bytes(self) -> int:
@@ -464,6 +481,11 @@ class LifecycleController:
         strategy = self._uses.components[name].strategy
         if phase is not Phase.UNINITIALIZED and not strategy.ready():
             raise ComponentNotPlaced(name, strategy.mode.value)
+        # Uses are drained before either is set: a forward now runs outside use(), and a
+        # streaming one would fetch from (or evict into) host stores the move or the update
+        # is copying or writing.
+        if strategy.streams and (phase is Phase.UPDATING_WEIGHTS or self._transition is not None):
+            raise ComponentBusy(name, self._transition or "a weight update")
 
     # -- attach / detach ---------------------------------------------------------------
     async def attach(self, pipeline: Any) -> Phase:
@@ -588,8 +610,9 @@ class LifecycleController:
                         c.guard.remove()
                 self._abandon(self._uses.components.values(), self._enabled)
                 self._uses.components, self._enabled = {}, []
+                self._lora.clear()
                 self._commit_phase("detach")
-                self._layer.empty_cache()
+                await self._release_cache()
                 self._summary("detach", source, copied, time.perf_counter() - t0)
             return self.phase
 
@@ -816,7 +839,7 @@ class LifecycleController:
                 finally:
                     self._transition = None
             self.config = config
-            self._layer.empty_cache()
+            await self._release_cache()
             seconds = time.perf_counter() - t0
             self._summary("set_residency", source, copied, seconds)
         return ResidencyChange(True, f"residency set: {config.to_string() or 'all resident'}"
@@ -878,6 +901,12 @@ class LifecycleController:
                 async with self._gate(trigger):
                     return await self._move_all(trigger)
 
+    async def _release_cache(self) -> None:
+        """Give the allocator's cached blocks back to the driver, after a committed move (in a
+        worker thread: it synchronizes the device; shielded: the move is done)."""
+        with anyio.CancelScope(shield=True):
+            await self._layer.release_cache(self._threads)
+
     @asynccontextmanager
     async def _gate(self, trigger: str) -> AsyncIterator[None]:
         """Close admission, drop unused prefetches, drain leases; reopen afterwards."""
@@ -927,7 +956,7 @@ class LifecycleController:
             self._transition = None
         self._commit_phase(trigger)
         if way.empty_cache:
-            self._layer.empty_cache()
+            await self._release_cache()
         seconds = time.perf_counter() - t0
         after = self._device_bytes()
         self._summary(trigger, source, copied, seconds, released=max(0, before - after))
@@ -971,18 +1000,28 @@ class LifecycleController:
         """+1 per successful weight update since this controller was made."""
         return self._version
 
-    def weights_checksum(self, components: Sequence[str] | None = None) -> dict[str, str]:
-        """SHA-256 per component over its tensors in name order (name, dtype, shape, bytes),
-        read from wherever the bytes are; identical weights give identical sums whatever
-        their placement."""
-        names = list(self._uses.components) if components is None else list(components)
-        return {n: checksum(self._component(n).strategy.store) for n in names}
+    @property
+    def weight_version_label(self) -> str | None:
+        """The ``weight_version`` of the last successful update that gave one (a failed
+        update keeps it), else None: the trainer's name for the weights served."""
+        return self._label
 
-    async def weights_checksum_across_ranks(self, components: Sequence[str] | None = None
+    def weights_checksum(self, components: Sequence[str] | None = None, *,
+                         algorithm: ChecksumAlgorithm = "reference") -> dict[str, str]:
+        """SHA-256 per component, read from wherever the bytes are: identical weights give
+        identical sums whatever their placement. ``"reference"``: the reference's (its
+        parameters sorted by name, each name then bytes: what trainers compare after a sync);
+        ``"full"``: every tensor (buffers too) with dtype and shape (see lifecycle._checksum)."""
+        names = list(self._uses.components) if components is None else list(components)
+        return {n: component_checksum(self._component(n).module, self._component(n).strategy.store,
+                                      algorithm) for n in names}
+
+    async def weights_checksum_across_ranks(self, components: Sequence[str] | None = None, *,
+                                            algorithm: ChecksumAlgorithm = "reference"
                                             ) -> RankChecksums:
         """Every rank's :meth:`weights_checksum` (collective: every rank calls it), to find
         the ranks whose copy of a replicated component differs (``.disagreeing()``)."""
-        local = await self.weights_checksum_async(components)
+        local = await self.weights_checksum_async(components, algorithm=algorithm)
         if self._group is None:
             return RankChecksums({n: {self.rank: s} for n, s in local.items()})
         try:
@@ -994,30 +1033,105 @@ class LifecycleController:
                                   else "not_found" for r, g in enumerate(gathered)}
                               for n in names})
 
-    async def weights_checksum_async(self, components: Sequence[str] | None = None
+    async def weights_checksum_async(self, components: Sequence[str] | None = None, *,
+                                     algorithm: ChecksumAlgorithm = "reference"
                                      ) -> dict[str, str]:
         """:meth:`weights_checksum` hashed in a worker thread (the event loop keeps serving),
         under the controller's lock so that no move or update runs meanwhile."""
         async with self._lock:
-            return await anyio.to_thread.run_sync(self.weights_checksum, components,
+            return await anyio.to_thread.run_sync(
+                functools.partial(self.weights_checksum, components, algorithm=algorithm),
+                limiter=self._threads)
+
+    async def check_tensor_hashes(self, target_module: str, expected: Mapping[str, str]
+                                  ) -> TensorHashCheck:
+        """Compare ``{name: sha256}`` (as the reference's clients hash a tensor: dtype, shape,
+        bytes) with ``target_module``'s tensors: names every one that differs or is missing.
+        Hashed in a worker thread, under the lock."""
+        wanted = check_expected(expected)
+        if target_module not in self._uses.components:
+            raise UnknownComponent(target_module, list(self._uses.components))
+        async with self._lock:
+            store = self._component(target_module).strategy.store
+            return await anyio.to_thread.run_sync(check_hashes, store, target_module, wanted,
                                                   limiter=self._threads)
 
     async def update_weights_from_disk(self, model_path: str | os.PathLike[str],
-                                       target_modules: Sequence[str] | None = None
-                                       ) -> UpdateResult:
+                                       target_modules: Sequence[str] | None = None, *,
+                                       weight_version: str | None = None,
+                                       flush_cache: bool = False) -> UpdateResult:
         """Load ``<model_path>/<component>/*.safetensors`` (or one ``.safetensors`` file with
         ``<component>.<name>`` keys) into the pipeline, all or nothing."""
         stores = self._stores()
-        return self._stamped(await self._update("update_from_disk", lambda: plan_from_disk(
-            stores, model_path, None if target_modules is None else list(target_modules))))
+        return self._answer(await self._update("update_from_disk", lambda: plan_from_disk(
+            stores, model_path, None if target_modules is None else list(target_modules)),
+            label=_label(weight_version), flush=flush_cache))
 
     async def update_weights_from_tensors(
             self, named_tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
-            target_module: str = "transformer") -> UpdateResult:
-        """Write ``named_tensors`` (names inside ``target_module``) into it, all or nothing."""
-        stores = self._stores()
-        return self._stamped(await self._update(
-            "update_from_tensors", lambda: plan_from_tensors(stores, named_tensors, target_module)))
+            target_module: str = "transformer", *, weight_update_mode: str | None = None,
+            lora_alpha: float | None = None, lora_rank: int | None = None,
+            weight_version: str | None = None, flush_cache: bool = False) -> UpdateResult:
+        """Write ``named_tensors`` (names inside ``target_module``) into it, all or nothing.
+        ``weight_update_mode="lora_merge"``: they are LoRA A/B tensors, merged into their
+        linears' pristine bases (see lifecycle._lora)."""
+        stores, label, mode = self._stores(), _label(weight_version), parse_mode(weight_update_mode)
+        if mode == "lora_merge":
+            scale, items = parse_scale(mode, lora_alpha, lora_rank), _items(named_tensors)
+            return self._answer(await self._update("update_from_tensors", lambda: (
+                plan_lora_from_tensors(stores, items, target_module, scale, self._lora)),
+                label=label, flush=flush_cache))
+        return self._answer(await self._update(
+            "update_from_tensors", lambda: plan_from_tensors(stores, named_tensors, target_module),
+            label=label, flush=flush_cache))
+
+    # -- weight sync over a trainer's process group (lifecycle._weight_sync) ------------------
+    @property
+    def weight_update_groups(self) -> Mapping[str, WeightUpdateGroupState]:
+        """This rank's weight update groups by name (``broken`` says why one broke)."""
+        return MappingProxyType(self._weight_sync.states())
+
+    async def init_weights_update_group(
+            self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+            group_name: str = "weight_update_group", backend: str = "nccl", *,
+            timeout: float = DEFAULT_TIMEOUT, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+            ) -> WeightUpdateGroupResult:
+        """Join the trainer's group (it is rank 0 and serves the store at
+        ``master_address:master_port``) as rank ``rank_offset + self.rank``; waits at most
+        ``timeout`` seconds for every rank. Not a transition: nothing moves."""
+        return await self._weight_sync.init(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend, rank=self.rank,
+            device=self.device, timeout=timeout, bucket_bytes=bucket_bytes)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group"
+                                           ) -> WeightUpdateGroupResult:
+        """Leave the group (a broken one too); an absent group is a success."""
+        return await self._weight_sync.destroy(group_name)
+
+    async def update_weights_from_distributed(
+            self, names: Sequence[str], dtypes: Sequence[str | torch.dtype],
+            shapes: Sequence[Sequence[int]], group_name: str = "weight_update_group",
+            target_modules: Sequence[str] = ("transformer",), *, flush_cache: bool = False,
+            weight_version: str | None = None, weight_update_mode: str | None = None,
+            lora_alpha: float | None = None, lora_rank: int | None = None,
+            timeout: float = DEFAULT_TIMEOUT, bucket_bytes: int | None = None) -> UpdateResult:
+        """Receive the tensors the trainer broadcasts over ``group_name`` (each in list order)
+        into ``target_modules[0]``, all or nothing (see lifecycle._weight_sync): checked
+        before the broadcast starts, staged in buckets of at most ``bucket_bytes``, a trainer
+        that dies or stalls ``timeout`` seconds fails the update and breaks the group."""
+        label = _label(weight_version)
+        return self._answer(await self._weight_sync.update(
+            functools.partial(self._update, "update_from_distributed", label=label,
+                              flush=flush_cache),
+            self._stores(), self._lora, names=names, dtypes=dtypes, shapes=shapes,
+            group_name=group_name, target_modules=target_modules,
+            weight_update_mode=weight_update_mode, lora_alpha=lora_alpha, lora_rank=lora_rank,
+            timeout=timeout, bucket_bytes=bucket_bytes))
+
+    def _answer(self, result: UpdateResult) -> UpdateResult:
+        """An update's result, stamped with the rank and the weight version label."""
+        return dataclasses.replace(self._stamped(result), weight_version=self._label)
 
     def _stamped(self, result: _R) -> _R:
         """``result`` saying which rank answered and how many ranks there are."""
@@ -1026,7 +1140,8 @@ class LifecycleController:
     def _stores(self) -> dict[str, Any]:
         return {n: c.strategy.store for n, c in self._uses.components.items()}
 
-    async def _update(self, kind: str, make_plan: Callable[[], UpdatePlan]) -> UpdateResult:
+    async def _update(self, kind: str, make_plan: Callable[[], UpdatePlan], *,
+                      label: str | None = None, flush: bool = False) -> UpdateResult:
         async with self._lock, self._collective(kind):
             refusal = self._refusal("begin_update", kind)
             if refusal:
@@ -1056,20 +1171,25 @@ class LifecycleController:
                 assert plan is not None
                 try:
                     async with self._gate(kind):
-                        return await self._apply(kind, plan)
+                        result = await self._apply(kind, plan)
                 finally:
                     plan.close()
+                if result.success:
+                    self._label = label if label is not None else self._label
+                    if flush:
+                        await self._release_cache()
+                return result
 
     async def _apply(self, kind: str, plan: UpdatePlan) -> UpdateResult:
         t0 = time.perf_counter()
         before = self._version
+        stores = self._stores()
 
         async def prepare(moves: list[PreparedMove]) -> None:
-            for name in plan.components:
-                sources = plan.sources(name)
-                if sources:
-                    store = self._component(name).strategy.store
-                    moves.append(await store.prepare_write(sources, self._threads))
+            await plan.write(stores, moves, self._threads)
+            bases = await self._lora.prepare_commit(plan, stores, self._threads)
+            if bases is not None:
+                moves.append(bases)
 
         self._commit_phase("begin_update")
         try:
@@ -1114,3 +1234,16 @@ class LifecycleController:
         """Declare this request's use order so the next component's move-in starts while
         the current one runs (``prefetch_components``; on CUDA only when memory allows)."""
         return self._uses.request(order)
+
+
+def _label(weight_version: object) -> str | None:
+    """A ``weight_version`` label: a string, or None for none."""
+    if weight_version is None or isinstance(weight_version, str):
+        return weight_version
+    raise InvalidRequest("weight_version", f"weight_version must be a string, got "
+                                           f"{type(weight_version).__name__}")
+
+
+def _items(named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]
+           ) -> list[tuple[str, torch.Tensor]]:
+    return list(named.items()) if isinstance(named, Mapping) else list(named)

@@ -18,7 +18,16 @@
         │   └── GroupBroken             a rank of the group died or hung; rolled back here
         ├── ComponentAsleep             a forward or use() while SLEEPING (+RuntimeError)
         ├── ComponentNotPlaced          a forward outside use() on an offloaded component
-        └── AdmissionTimeout            use() waited too long for a transition
+        ├── ComponentBusy (+RuntimeError)  a forward outside use() of a layerwise component
+        │                               while a transition moves or writes its weights
+        ├── AdmissionTimeout            use() waited too long for a transition
+        ├── InvalidRequest (+ValueError)  a call's arguments are malformed, whatever the
+        │                               pipeline holds (a LoRA scale, a tensor list, a port)
+        ├── UnknownComponent (+KeyError)  a call named a component the pipeline lacks
+        └── WeightSyncError             weight sync over a trainer's process group
+            ├── WeightSyncGroupMissing  no group of that name: init it first
+            └── WeightSyncGroupBroken   the group failed (a trainer died or stalled, a
+                                        request it could not follow): destroy, init again
 
 Configuration mistakes found while parsing (``ResidencyConfig``) are plain ``ValueError`` /
 ``TypeError``; a lifecycle error always carries structured fields besides its message.
@@ -49,14 +58,20 @@ UPDATE_WHILE_SLEEPING = ("Cannot update weights while the server is sleeping. "
 __all__ = [
     "AdmissionTimeout",
     "ComponentAsleep",
+    "ComponentBusy",
     "ComponentNotPlaced",
     "DrainTimeout",
     "FSDPInferenceUnsupported",
     "GroupBroken",
+    "InvalidRequest",
     "LifecycleError",
     "RanksDisagree",
     "TransitionFailed",
     "TransitionRejected",
+    "UnknownComponent",
+    "WeightSyncError",
+    "WeightSyncGroupBroken",
+    "WeightSyncGroupMissing",
     "WeightUpdateWhileSleeping",
     "failures_roll_back",
     "forget_locals",
@@ -161,6 +176,19 @@ class ComponentNotPlaced(LifecycleError, RuntimeError):
         self.mode = mode
 
 
+class ComponentBusy(LifecycleError, RuntimeError):
+    """A forward outside ``ctl.use()`` of a component whose forwards move its weights
+    (layerwise offload) while a transition or a weight update moves or writes them."""
+
+    def __init__(self, component: str, transition: str) -> None:
+        super().__init__(f"component {component!r} streams its layers from host stores that "
+                         f"{transition} is moving or writing now: a forward outside use() "
+                         f"would race with it; run it inside `async with ctl.use({component!r})`, "
+                         "which waits for the transition")
+        self.component = component
+        self.transition = transition
+
+
 class AdmissionTimeout(LifecycleError, TimeoutError):
     """``use()`` waited longer than ``admission_timeout`` for a transition to finish."""
 
@@ -171,6 +199,61 @@ class AdmissionTimeout(LifecycleError, TimeoutError):
         self.timeout = timeout
         self.transition = transition
 
+
+
+class InvalidRequest(LifecycleError, ValueError):
+    """A call's arguments are malformed whatever the pipeline holds (an unknown update mode,
+    a LoRA rank of 0, tensor lists of different lengths, a port out of range): refused
+    before anything was looked at or changed. ``field``: the argument at fault."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(reason)
+        self.field = field
+        self.reason = reason
+
+
+class UnknownComponent(LifecycleError, KeyError):
+    """A call named a component the attached pipeline does not have."""
+
+    def __init__(self, component: str, known: list[str]) -> None:
+        message = (f"Module(s) requested not found in pipeline: [{component!r}]. "
+                   f"Available Module(s): {sorted(known)}")
+        super().__init__(message)
+        self.component = component
+        self.known = sorted(known)
+        self.message = message
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return self.message
+
+
+class WeightSyncError(LifecycleError):
+    """Weight sync over a trainer's process group failed or was refused (``group_name``)."""
+
+    def __init__(self, group_name: str, message: str) -> None:
+        super().__init__(message)
+        self.group_name = group_name
+
+
+class WeightSyncGroupMissing(WeightSyncError):
+    """No weight update group of that name on this rank: ``init_weights_update_group`` it
+    first (or it was destroyed)."""
+
+    def __init__(self, group_name: str, known: list[str]) -> None:
+        super().__init__(group_name, f"weight update group {group_name!r} is not initialized; "
+                                     f"call init_weights_update_group first (groups: "
+                                     f"{sorted(known)})")
+
+
+class WeightSyncGroupBroken(WeightSyncError):
+    """The weight update group failed earlier (``reason``: the trainer died or stalled
+    mid-broadcast, or a request could not be followed) and is out of step with the trainer:
+    destroy it and init it again."""
+
+    def __init__(self, group_name: str, reason: str) -> None:
+        super().__init__(group_name, f"weight update group {group_name!r} is broken ({reason}); "
+                                     "destroy it and init it again")
+        self.reason = reason
 
 @contextmanager
 def failures_roll_back(trigger: str, phase: Callable[[], Phase]) -> Iterator[None]:

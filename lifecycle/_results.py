@@ -11,7 +11,7 @@ from ._checkpoint import gbps
 from ._phase import Phase
 
 __all__ = ["ComponentPlacement", "OccupationResult", "PlacementReport", "ResidencyChange",
-           "UpdateResult"]
+           "TensorHashCheck", "UpdateResult", "WeightUpdateGroupResult", "WeightUpdateGroupState"]
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,17 @@ class UpdateResult:
     failed_ranks: Mapping[int, str] = field(default_factory=lambda: MappingProxyType({}))
     rank: int = 0
     world_size: int = 1
+    # The weight version label after the call (the trainer's ``weight_version`` of the last
+    # successful update that gave one; unchanged by a failed update).
+    weight_version: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"success": self.success, "message": self.message, "version": self.version,
                 "updated": list(self.updated), "bytes_written": self.bytes_written,
                 "seconds": self.seconds, "rolled_back": self.rolled_back,
                 "failed_ranks": {str(r): why for r, why in self.failed_ranks.items()},
-                "rank": self.rank, "world_size": self.world_size}
+                "rank": self.rank, "world_size": self.world_size,
+                "weight_version": self.weight_version}
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class ComponentPlacement:
     host_bytes: int
     pinned_bytes: int
     total_bytes: int
+    # Host bytes of the pristine base weights kept for LoRA merges (see lifecycle._lora).
+    lora_base_bytes: int = 0
 
     @property
     def pageable_bytes(self) -> int:
@@ -94,6 +100,12 @@ class PlacementReport:
     # History, not placement: two reports of the same placement compare equal without them.
     peak_device_bytes: int = field(default=0, compare=False)
     allocator_peak_bytes: int | None = field(default=None, compare=False)
+    # The label of the weights served (the trainer's ``weight_version``), if one was given.
+    weight_version: str | None = field(default=None, compare=False)
+    # The caching allocator's reserved bytes (its segments, used or cached) now and their
+    # peak since attach or ``reset_peak()`` (CUDA, and the simulated GPU); None on CPU layers.
+    reserved_bytes: int | None = field(default=None, compare=False)
+    reserved_peak_bytes: int | None = field(default=None, compare=False)
 
     @property
     def device_bytes(self) -> int:
@@ -106,6 +118,10 @@ class PlacementReport:
     @property
     def pinned_bytes(self) -> int:
         return sum(c.pinned_bytes for c in self.components.values())
+
+    @property
+    def lora_base_bytes(self) -> int:
+        return sum(c.lora_base_bytes for c in self.components.values())
 
 
 @dataclass(frozen=True)
@@ -159,3 +175,66 @@ class ResidencyChange:
                 "measured_seconds": self.measured_seconds,
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_seconds": self.predicted_seconds, "rolled_back": self.rolled_back}
+
+
+@dataclass(frozen=True)
+class TensorHashCheck:
+    """The answer to :meth:`LifecycleController.check_tensor_hashes`: every tensor whose
+    SHA-256 (the reference clients' per-tensor hash) differs from the expected one, and every
+    expected name the component does not have."""
+
+    success: bool
+    message: str
+    target_module: str
+    checked: int
+    mismatched: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """The reference's ``{success, message}`` plus the names."""
+        return {"success": self.success, "message": self.message,
+                "target_module": self.target_module, "checked": self.checked,
+                "mismatched": list(self.mismatched), "missing": list(self.missing)}
+
+
+@dataclass(frozen=True)
+class WeightUpdateGroupState:
+    """One weight update group of this rank (:attr:`LifecycleController.
+    weight_update_groups`): where it joined, as which rank, and whether it broke."""
+
+    group_name: str
+    backend: str
+    master_address: str
+    master_port: int
+    rank: int  # this server rank's rank in the group (rank_offset + its own rank)
+    world_size: int
+    broken: str | None = None  # why it broke; it must be destroyed and initialised again
+    updates: int = 0  # updates received over it (committed or not)
+    bucket_bytes: int = 0  # the default bucket of its updates
+    peak_staging_bytes: int = 0  # the most staging its updates held at once
+    staging_bytes: int = 0  # host staging kept now (between updates, for the next one)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"group_name": self.group_name, "backend": self.backend,
+                "master_address": self.master_address, "master_port": self.master_port,
+                "rank": self.rank, "world_size": self.world_size, "broken": self.broken,
+                "updates": self.updates, "bucket_bytes": self.bucket_bytes,
+                "peak_staging_bytes": self.peak_staging_bytes,
+                "staging_bytes": self.staging_bytes}
+
+
+@dataclass(frozen=True)
+class WeightUpdateGroupResult:
+    """The answer to ``init_weights_update_group`` / ``destroy_weights_update_group``."""
+
+    success: bool
+    message: str
+    group_name: str
+    group: WeightUpdateGroupState | None = None  # after an init that joined
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The reference's ``{success, message}`` plus the group."""
+        return {"success": self.success, "message": self.message,
+                "group_name": self.group_name, "seconds": self.seconds,
+                "group": None if self.group is None else self.group.as_dict()}

@@ -10,19 +10,19 @@ from ._config import (
     ResidencyMode,
     group_of,
 )
+from ._cuda import CudaDevice
 from ._device import (
     CopyHandle,
     CpuDevice,
-    CudaDevice,
     DeviceLayer,
     UnsupportedCompute,
-    make_device_layer,
     resolve_device,
 )
 from ._errors import ResidencyError
 from ._factory import ComponentResidencyError, Shape, build_strategy, is_fsdp_managed
 from ._fileread import FileRegion, safetensors_regions
 from ._guard import ComputeGuard
+from ._layers import make_device_layer
 from ._layerwise import (
     LayerwiseOffloadStrategy,
     check_block_lists,

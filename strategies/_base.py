@@ -24,6 +24,8 @@ class ResidencyStrategy:
     """Base strategy; subclasses override the placement decisions, not the mechanics."""
 
     mode: ClassVar[ResidencyMode]
+    #: Whether its forwards move weights themselves (layerwise: hooks fetch and evict layers).
+    streams: ClassVar[bool] = False
 
     def __init__(self, name: str, store: TensorStore) -> None:
         self.name = name
@@ -49,7 +51,8 @@ class ResidencyStrategy:
         return 0
 
     def quiesce(self) -> None:
-        """Land background copies in flight (before a transition moves the store)."""
+        """Give up background copies in flight (before a transition moves the store, which
+        then waits for the device's queued work)."""
 
     def close(self) -> None:
         """Remove hooks this strategy installed (on detach)."""

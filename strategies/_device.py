@@ -1,13 +1,17 @@
-"""The device layer: the only module that knows CUDA.
+"""The device layer: the protocol every placement goes through, and its CPU implementation.
 
 Everything above it moves bytes through four verbs: allocate on the device, allocate on
-the host, copy a batch of (destination, source) pairs, and wait. Two implementations:
+the host, copy a batch of (destination, source) pairs, and wait. Implementations:
 
-* :class:`CudaDevice` -- pinned host memory, one copy stream per direction, an event per
-  batch; the event loop never blocks (the wait happens in a worker thread).
+* :class:`~strategies._cuda.CudaDevice` -- pinned host memory, copy streams of its own, an
+  event per batch; the event loop never blocks (the wait happens in a worker thread). It is
+  the only layer that knows CUDA, through one runtime seam (:mod:`strategies._cudart`) that
+  a simulated GPU can stand behind (:mod:`strategies._cudasim`);
 * :class:`CpuDevice` -- CPU tensors stand for the device tier, separate host buffers for the
   host tier, copies in a worker thread. It is real code, not a mock: the same strategies
-  drive it and every failure path is exercised on it.
+  drive it and every failure path is exercised on it;
+* :class:`~strategies._ordering.OrderingDevice` -- the CPU layer with CUDA's ordering made
+  strict and visible (tests).
 
 Allocation and copy go through the overridable ``_alloc`` and ``_copy_one`` hooks, so a test
 layer can fail the k-th one (see ``lifecycle.testing``).
@@ -15,14 +19,13 @@ layer can fail the k-th one (see ``lifecycle.testing``).
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import anyio
 import anyio.to_thread
@@ -35,11 +38,9 @@ __all__ = [
     "CopyHandle",
     "CopyPair",
     "CpuDevice",
-    "CudaDevice",
     "DeviceLayer",
     "Tier",
     "UnsupportedCompute",
-    "make_device_layer",
     "resolve_device",
 ]
 
@@ -61,6 +62,12 @@ class CopyHandle(Protocol):
         writes its buffers)."""
         ...
 
+    def drop(self) -> None:
+        """Nobody will wait for the copy (a prefetch not needed after all): its buffers may
+        be dropped now, without ordering compute after it (CUDA: the device buffers are
+        recorded on the copy stream, so their blocks are not reused before it ran)."""
+        ...
+
 
 class UnsupportedCompute(ResidencyError, RuntimeError):
     """A forward ran where the library cannot order its moves: under CUDA graph capture, or
@@ -77,25 +84,50 @@ class _FutureHandle:
     def wait_host(self) -> None:
         self._future.result()
 
-
-class _EventHandle:  # pragma: no cover - CUDA only
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
-        self._event = event
-        self._device = device
-
-    def wait(self) -> None:
-        torch.cuda.current_stream(self._device).wait_event(self._event)
-
-    def wait_host(self) -> None:
-        _synchronize_event(self._event, self._device)
+    def drop(self) -> None:
+        # The copier thread holds the buffers until the copy is done: wait for it, so that
+        # they are gone when the caller drops its references (compute is synchronous here:
+        # the wait costs what the copy has left). Its failure does not matter any more.
+        if self._future.exception() is not None:
+            return
 
 
-def _synchronize_event(event: torch.cuda.Event, device: torch.device) -> None:  # pragma: no cover
-    """``event.synchronize()`` with ``device`` current: from a worker thread whose current
-    device is another one (or none yet), the runtime could otherwise create a context on
-    GPU 0. The event is a blocking one (see ``CudaDevice._event``): the thread sleeps."""
-    with torch.cuda.device(device):
-        event.synchronize()
+class Worker:
+    """One thread of a layer's own, started on first need; :meth:`close` stops it after the
+    work handed to it (work handed to it after starts it again)."""
+
+    _all: ClassVar[weakref.WeakSet[Worker]] = weakref.WeakSet()
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.closed = False
+        Worker._all.add(self)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        with self._lock:
+            self.closed = False
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+            return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self.closed = True
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    @classmethod
+    def _forget_after_fork(cls) -> None:
+        # A forked child inherits no thread: each worker starts a new one on next need.
+        for worker in list(cls._all):
+            worker._pool = None
+            worker._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=Worker._forget_after_fork)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -154,6 +186,9 @@ class DeviceLayer:
         self.peak_bytes = 0
         self._dead: list[_Death] = []  # appended to by the death of a tracked storage
         self._deaths: dict[int, _Death] = {}  # id(storage) -> its live weak reference
+        # The thread that refreshes host mirrors in the background after weight updates
+        # (strategies._write): one per layer, stopped by close().
+        self.refresher = Worker("residency-refresh")
 
     # -- allocation ----------------------------------------------------------------
     def alloc(self, nbytes: int, tier: Tier, *, pinned: bool | None = None) -> torch.Tensor:
@@ -217,6 +252,11 @@ class DeviceLayer:
 
     def allocator_peak(self) -> int | None:
         """The allocator's own high-water mark (CUDA ``max_memory_allocated``); None on CPU."""
+        return None
+
+    def reserved(self) -> tuple[int, int] | None:
+        """``(reserved, peak reserved)`` bytes the caching allocator holds from the driver
+        (its blocks, used or cached), the peak since ``reset_peak``; None without one."""
         return None
 
     def measure_link(self, nbytes: int = 8 * 2**20, repeats: int = 5) -> tuple[float, float]:
@@ -292,7 +332,11 @@ class DeviceLayer:
 
     # -- accounting ----------------------------------------------------------------
     def empty_cache(self) -> None:
-        """Give cached, unused device blocks back to the driver (no-op on CPU)."""
+        """Give cached, unused device blocks back to the driver (no-op on CPU). Blocking (it
+        synchronizes on CUDA): from async code, :meth:`release_cache`."""
+
+    async def release_cache(self, limiter: anyio.CapacityLimiter | None = None) -> None:
+        """:meth:`empty_cache` without blocking the event loop (nothing to do on CPU)."""
 
     def memory_allocated(self) -> int | None:
         """Bytes of live device tensors as the allocator sees them; None where unknown."""
@@ -313,6 +357,11 @@ class DeviceLayer:
     def check_compute(self) -> None:
         """Raise :class:`UnsupportedCompute` when a forward runs where moves cannot be
         ordered (CUDA graph capture, a non-default stream); nothing on the CPU."""
+
+    def device_memory(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is memory only the device addresses (CUDA memory). Never on the CPU
+        layers, whose device tier is host memory."""
+        return False
 
     def for_compute(self, buf: torch.Tensor) -> None:
         """``buf`` (a moved-in device buffer) is read by compute from now on."""
@@ -336,8 +385,9 @@ class DeviceLayer:
         return 0
 
     def close(self) -> None:
-        """Stop the layer's own threads (waiting for copies in flight); it starts them again
-        if used after."""
+        """Stop the layer's own threads (waiting for the work handed to them: copies in
+        flight, background refreshes); they start again if used after."""
+        self.refresher.close()
 
 
 class CpuDevice(DeviceLayer):
@@ -346,303 +396,23 @@ class CpuDevice(DeviceLayer):
     def __init__(self, device: torch.device | None = None) -> None:
         super().__init__(device or torch.device("cpu"))
         self._limiter = anyio.CapacityLimiter(1)
-        self._copier: ThreadPoolExecutor | None = None
+        # The CPU stand-in for a copy stream: one background thread, in submission order.
+        self._copier = Worker("residency-copy")
 
     def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
-        # The CPU stand-in for a copy stream: one background thread, in submission order.
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="residency-copy")
         return _FutureHandle(self._copier.submit(self._copy_batch, list(pairs)))
 
     def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor) -> float:
         # Like a layer fetch: handed to the copier thread and waited for.
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix="residency-copy")
         t0 = time.perf_counter()
         self._copier.submit(dst.copy_, src).result()
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        copier, self._copier = self._copier, None
-        if copier is not None:
-            copier.shutdown(wait=True)
+        self._copier.close()
+        super().close()
 
     async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
         if pairs:
             # abandon_on_cancel=False: a cancelled caller waits for the thread to finish.
             await anyio.to_thread.run_sync(self._copy_batch, list(pairs), limiter=self._limiter)
-
-
-class CudaDevice(DeviceLayer):  # pragma: no cover - exercised by scripts/gpu_check.py
-    """Pinned host tier, a copy stream per direction, events waited on in a worker thread.
-
-    Buffer lifetimes, and the wait that makes each one safe:
-
-    * a device buffer a move copies *into* is allocated on the copy stream (``_alloc``), so
-      the caching allocator can only have handed it a block whose earlier users on that
-      stream are done; compute reads it only after the host saw the copy's event (``copy``)
-      or the compute stream waited on it (``_EventHandle.wait``), and ``point_to_device``
-      records the compute stream on it (``for_compute``), so when it is freed the block is
-      not reused before the compute stream's kernels that read it are done;
-    * a device buffer a move copies *out of* (sleep, a dirty evict) was written by compute:
-      the copy stream waits for the compute stream first (``_enqueue``, ``to="host"``) and the
-      buffer is recorded on the copy stream, so dropping it after cannot free it early;
-    * host mirrors are written by the host only after every copy that reads them has landed:
-      transitions first synchronize the device (``needs_sync``: the controller's gate), and
-      a dirty evict waits on its own copy's event on the host (``wait_host``), not on the
-      whole device;
-    * forwards run on the default stream and never under graph capture (``check_compute``),
-      so "the compute stream" above is one known stream.
-    """
-
-    pinned = True
-    copies_overlap_compute = True
-    needs_sync = True
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        with torch.cuda.device(device):
-            self._streams: dict[Tier, torch.cuda.Stream] = {
-                "device": torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
-                "host": torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
-            }
-        self._limiter = anyio.CapacityLimiter(2)
-        self._default = torch.cuda.default_stream(device)
-        self._stage: list[torch.Tensor] | None = None  # two pinned staging buffers, on need
-
-    def _alloc(self, nbytes: int, tier: Tier, pinned: bool) -> torch.Tensor:
-        if tier == "device":
-            # On the copy stream that fills it: no wait on compute is needed before the copy
-            # (the block's earlier users were on this stream), so a prefetch overlaps the
-            # running forward instead of queueing behind it.
-            with torch.cuda.device(self.device), torch.cuda.stream(self._streams["device"]):
-                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if pinned and nbytes:
-            return _pinned_arena(nbytes)
-        return super()._alloc(nbytes, tier, pinned)
-
-    @staticmethod
-    def pinned_footprint(nbytes: int) -> int:
-        return (nbytes + _PAGE - 1) // _PAGE * _PAGE
-
-    def for_compute(self, buf: torch.Tensor) -> None:
-        # Compute on the default stream reads ``buf`` from now on: freeing it must not let the
-        # copy stream's pool reuse the block before those kernels are done.
-        buf.record_stream(self._default)
-
-    def check_compute(self) -> None:
-        if torch.cuda.is_current_stream_capturing():
-            raise UnsupportedCompute(
-                "a forward of a component placed by residency ran under CUDA graph capture: "
-                "its weights move (new addresses after wake, every layer under layerwise "
-                "offload), so a captured graph would replay on freed memory; capture outside "
-                "residency or keep the component resident and never sleep it while captured")
-        if torch.cuda.current_stream(self.device) != self._default:
-            raise UnsupportedCompute(
-                f"a forward ran on a non-default CUDA stream of {self.device}: residency "
-                "orders its copies and frees against the default stream; run forwards on it")
-
-    def _event(self) -> torch.cuda.Event:
-        # blocking=True: a host thread waiting on it sleeps instead of spinning a core.
-        return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-
-    def _enqueue(self, pairs: Sequence[CopyPair], to: Tier) -> torch.cuda.Event:
-        stream = self._streams[to]
-        with torch.cuda.device(self.device):
-            if to == "host" or any(src.is_cuda for _, src in pairs):
-                # The sources are device buffers written by compute: read them after it.
-                stream.wait_stream(self._default)
-            with torch.cuda.stream(stream):
-                try:
-                    for dst, src in pairs:
-                        self._copy_one(dst, src)
-                        for t in (dst, src):
-                            if t.is_cuda:
-                                # Freed while the copy is queued: not reused before it ran.
-                                t.record_stream(stream)
-                except BaseException:
-                    # Copies already queued must land before the caller frees their buffers.
-                    stream.synchronize()
-                    raise
-                event = self._event()
-                event.record(stream)
-        return event
-
-    def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
-        return _EventHandle(self._enqueue(pairs, to), self.device)
-
-    async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
-        # Host-to-host pairs (adopting host-loaded weights, update backups) are plain memcpy:
-        # a worker thread does them, so the event loop never blocks on them.
-        on_host = [p for p in pairs if p[0].device.type == "cpu" and p[1].device.type == "cpu"]
-        if on_host:
-            await anyio.to_thread.run_sync(self._copy_batch, on_host, limiter=self._limiter)
-            pairs = [p for p in pairs if not (p[0].device.type == "cpu" and
-                                              p[1].device.type == "cpu")]
-        # A pageable host side (update sources: user tensors, memory-mapped safetensors;
-        # host backups): copy_ from it would run synchronously on the event loop at about half
-        # the pinned rate, taking its page faults (disk reads) there. Staged instead.
-        pageable = [p for p in pairs if _pageable_side(p)]
-        if pageable:
-            with anyio.CancelScope(shield=True):  # a started copy is never abandoned
-                await anyio.to_thread.run_sync(self._staged, pageable, limiter=self._limiter)
-            pairs = [p for p in pairs if not _pageable_side(p)]
-        if not pairs:
-            return
-        event = self._enqueue(pairs, to)
-        # The host waits (in a worker thread, the loop keeps serving): the caller re-points
-        # tensors or frees buffers only after the bytes landed, so no stream wait is queued
-        # on compute (it would stall a running forward behind a prefetch).
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(_synchronize_event, event, self.device,
-                                           limiter=self._limiter)
-
-    def _staged(self, pairs: Sequence[CopyPair]) -> None:
-        """Copy pairs with one pageable host side through two reusable pinned buffers, in
-        this worker thread: the host copy of one chunk (page faults, disk reads) overlaps
-        the device copy of the previous one. Returns when every byte has landed."""
-        with torch.cuda.device(self.device):
-            if self._stage is None:
-                self._stage = [_pinned_arena(_STAGE), _pinned_arena(_STAGE)]
-            stages = self._stage
-            pending: list[torch.cuda.Event | None] = [None, None]
-            turn = 0
-            # Device sources were written by compute; device destinations may be read by
-            # it until now (a restore overwrites live weights): order after both.
-            for stream in self._streams.values():
-                stream.wait_stream(self._default)
-            try:
-                for dst, src in pairs:
-                    to_device = dst.is_cuda
-                    stream = self._streams["device" if to_device else "host"]
-                    for start in range(0, int(dst.nbytes), _STAGE):
-                        end = min(start + _STAGE, int(dst.nbytes))
-                        slot = stages[turn][:end - start]
-                        event = pending[turn]
-                        if event is not None:
-                            event.synchronize()  # the slot's previous copy has landed
-                        with torch.cuda.stream(stream):
-                            if to_device:
-                                slot.copy_(src[start:end])  # host memcpy, faults here
-                                self._copy_one(dst[start:end], slot)
-                                dst.record_stream(stream)
-                            else:
-                                self._copy_one(slot, src[start:end])
-                                src.record_stream(stream)
-                            done = self._event()
-                            done.record(stream)
-                        if not to_device:
-                            done.synchronize()
-                            dst[start:end].copy_(slot)
-                        pending[turn] = done
-                        turn ^= 1
-            finally:
-                # Every copy that was queued lands before the caller may free a buffer.
-                for event in pending:
-                    if event is not None:
-                        event.synchronize()
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
-
-    def memory_allocated(self) -> int | None:
-        return int(torch.cuda.memory_allocated(self.device))
-
-    def allocator_peak(self) -> int | None:
-        return int(torch.cuda.max_memory_allocated(self.device))
-
-    def measure_link(self, nbytes: int = 256 * 2**20, repeats: int = 5) -> tuple[float, float]:
-        with torch.cuda.device(self.device):
-            return super().measure_link(nbytes, repeats)
-
-    def _timed_copy(self, dst: torch.Tensor, src: torch.Tensor) -> float:
-        # On the copy stream, as moves run; events time the copy itself.
-        stream = self._streams["device"]
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            dst.copy_(src, non_blocking=True)
-            end.record(stream)
-        end.synchronize()  # the host waits: the buffers are freed when this returns
-        return float(start.elapsed_time(end)) / 1e3
-
-    def reset_peak(self) -> None:
-        super().reset_peak()
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def free_bytes(self) -> int | None:
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return int(free) + int(torch.cuda.memory_reserved(self.device)) - \
-            int(torch.cuda.memory_allocated(self.device))
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-
-_PAGE = mmap.PAGESIZE
-_STAGE = 64 * 2**20  # bytes per pinned staging buffer (two of them per CUDA layer)
-
-
-def _pageable_side(pair: CopyPair) -> bool:  # pragma: no cover - CUDA only
-    """A host<->device pair whose host side is not page-locked."""
-    dst, src = pair
-    if dst.is_cuda == src.is_cuda:
-        return False
-    host = src if dst.is_cuda else dst
-    return not host.is_pinned()
-
-
-def _pinned_arena(nbytes: int) -> torch.Tensor:  # pragma: no cover - CUDA only
-    """``nbytes`` of page-locked host memory of our own: anonymous pages registered with the
-    driver (``cudaHostRegister``), not torch's caching host allocator, which rounds every
-    block up to a power of two (a 33 GB mirror would pin 64 GiB) and never gives a block
-    back. The footprint is the size rounded to a page; when the tensor's storage dies the
-    pages are unregistered, then unmapped: returned to the system (a detach frees them)."""
-    arena = mmap.mmap(-1, nbytes)
-    view = torch.frombuffer(arena, dtype=torch.uint8)  # keeps ``arena`` alive while it lives
-    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    err = cudart.cudaHostRegister(view.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        del view
-        arena.close()
-        raise MemoryError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)}); "
-                          "the system may limit locked memory (ulimit -l)")
-    weakref.finalize(view.untyped_storage(), _release_arena, arena, view.data_ptr())
-    return view
-
-
-def _release_arena(arena: mmap.mmap, ptr: int) -> None:  # pragma: no cover - CUDA only
-    # The storage died (its deleter dropped its reference; the finalizer holds the last):
-    # unpin, then unmap.
-    torch.cuda.cudart().cudaHostUnregister(ptr)  # type: ignore[no-untyped-call]
-    arena.close()
-
-
-#: Environment variable naming the layer for a CPU device: ``cpu`` (default) or ``ordering``
-#: (:class:`~strategies.testing.OrderingDevice`: copies land late, only when waited for, and
-#: ordering mistakes raise), so that a whole program (``residency serve``, a drill) runs its
-#: moves as CUDA orders them, on a machine without a GPU.
-DEVICE_LAYER_ENV = "RESIDENCY_DEVICE_LAYER"
-
-
-def cpu_layer_kind() -> str:
-    """``"cpu"`` or ``"ordering"``: the layer :data:`DEVICE_LAYER_ENV` asks for on a CPU
-    device (ValueError for anything else)."""
-    kind = os.environ.get(DEVICE_LAYER_ENV, "cpu")
-    if kind not in ("cpu", "ordering"):
-        raise ValueError(f"{DEVICE_LAYER_ENV}={kind!r}: valid values are 'cpu' and 'ordering'")
-    return kind
-
-
-def make_device_layer(device: str | torch.device | None) -> DeviceLayer:
-    """The device layer for ``device`` (see :func:`resolve_device`; a CPU device's layer is
-    chosen by :data:`DEVICE_LAYER_ENV`)."""
-    dev = resolve_device(device)
-    if dev.type == "cuda":
-        return CudaDevice(dev)
-    if cpu_layer_kind() == "ordering":
-        from ._ordering import OrderingDevice
-
-        return OrderingDevice(dev)
-    return CpuDevice(dev)

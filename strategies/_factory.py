@@ -8,8 +8,9 @@ from torch import nn
 
 from ._base import ResidencyStrategy
 from ._config import LayerwiseTuning, ResidencyConfig, ResidencyMode
-from ._device import CpuDevice, DeviceLayer
+from ._device import DeviceLayer
 from ._errors import ResidencyError
+from ._layers import make_device_layer
 from ._layerwise import (
     LayerwiseOffloadStrategy,
     check_block_lists,
@@ -51,7 +52,7 @@ def build_strategy(name: str, module: nn.Module, config: ResidencyConfig,
     snapshot-offload of an FSDP-managed module is an error; otherwise the configured mode.
     """
     mode = config.mode_for(name)
-    store_layer = layer or CpuDevice()
+    store_layer = layer or make_device_layer("cpu")
     if is_layerwise_offloaded(module):
         layers = layer_keys(module)
         store = TensorStore(name, module, store_layer, [k for k, _ in layers])

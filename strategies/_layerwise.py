@@ -192,6 +192,7 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
     and one device buffer, and the bytes in flight are counted exactly once."""
 
     mode = ResidencyMode.LAYERWISE_OFFLOAD
+    streams = True
 
     def __init__(self, name: str, store: TensorStore, tuning: LayerwiseTuning,
                  layers: list[tuple[str, nn.Module]]) -> None:
@@ -363,13 +364,14 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
             fetch.complete()
 
     def _evict(self, i: int) -> None:
-        # A prefetch is completed before its buffer is dropped: on CUDA, complete() makes the
-        # compute stream wait for the copy's event, and the buffer was allocated on the
-        # compute stream, so the allocator cannot hand its block to later work on that stream
-        # before the copy has landed. On CPU, complete() blocks until the copier is done.
+        # A prefetch nobody used is dropped, not completed: compute need not wait for a copy
+        # it will never read (see Fetch.drop: on CUDA the buffer is recorded on the copy
+        # stream, so its block is not reused before the copy ran; on CPU the copier thread
+        # holds it until done). The unit never left the host.
         fetch = self._fetches.pop(i, None)
         if fetch is not None:
-            fetch.complete()
+            fetch.drop()
+            return
         unit = self.units[i]
         if unit is not None and unit.where == "device":
             self.store.evict(unit)
@@ -387,7 +389,8 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
 
     async def prepare_use(self) -> Move | None:
         with self._lock:
-            self._quiesce()
+            for i in list(self._fetches):  # likely the first layers: kept
+                self._fetches.pop(i).complete()
             self._relearn()
             self._pinned = True
             wanted = sorted(self.resident | set(self._window(self._first, include_start=True)))
@@ -408,13 +411,14 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
                        if u is not None and u.where == "device" and i not in self._running)
 
     def quiesce(self) -> None:
-        """Land every prefetch in flight (before a transition moves the store)."""
+        """Give up every prefetch in flight (before a transition moves the store, which
+        first waits for the device's queued work)."""
         with self._lock:
             self._quiesce()
 
     def _quiesce(self) -> None:
         for i in list(self._fetches):
-            self._fetches.pop(i).complete()
+            self._fetches.pop(i).drop()
 
     def close(self) -> None:
         self.quiesce()

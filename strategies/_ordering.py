@@ -170,6 +170,7 @@ class _Copy:
     due: float  # time.monotonic() before which it cannot land
     landed: bool = False
     compute_ordered: bool = False  # the compute stream waits for it (device tier may reuse)
+    dropped: bool = False  # nobody will wait for it (CUDA records its device buffers instead)
     retired: bool = False  # the host waited for it too: out of every index
     finalizers: list[weakref.finalize[Any, Any]] = field(default_factory=list)
 
@@ -191,6 +192,9 @@ class _Handle:
 
     def wait_host(self) -> None:
         self._layer._ord_wait(self._batch, host=True)
+
+    def drop(self) -> None:
+        self._layer._ord_drop(self._batch)
 
 
 class OrderingDevice(CpuDevice):
@@ -447,7 +451,7 @@ class OrderingDevice(CpuDevice):
             # buffer (a mirror dropped after a fetch) is freed by a transition or detach,
             # which synchronize first. Host *writes* into it stay checked until the host
             # waited (``_ord_check_start``, and the landing's comparison).
-            ordered = c.retired or c.compute_ordered
+            ordered = c.retired or c.compute_ordered or (c.dropped and side.tier == "device")
             if not ordered:
                 does = "writes" if role == "dst" else "reads"
                 self.violations.append(
@@ -483,18 +487,27 @@ class OrderingDevice(CpuDevice):
                 self._ord_wait(queue[-1].batch, host=True, check=False)
         super().close()
 
+    def _ord_drop(self, batch: _Batch) -> None:
+        """Nobody will wait for ``batch``: its device buffers may be freed while it is in
+        flight (on CUDA they are recorded on the copy stream: the allocator orders their reuse
+        after it); its host buffers may not, and host writes into them are still checked."""
+        with self._ord_lock:
+            for c in batch.copies:
+                c.dropped = True
+
     def in_flight(self) -> list[str]:
-        """The copies nobody waited for yet (neither compute nor the host), described."""
+        """The copies nobody waited for yet (neither compute nor the host) nor dropped."""
         with self._ord_lock:
             return [c.describe() for q in self._ord_streams.values() for c in q
-                    if not c.compute_ordered]
+                    if not c.compute_ordered and not c.dropped]
 
     def abandon(self) -> list[str]:
         """Forget every copy in flight without landing it (a test ended): returns those that
         compute never waited for, described (a device copy waited for by compute only is
         complete as far as the library is concerned)."""
         with self._ord_lock:
-            lost = [c for q in self._ord_streams.values() for c in q if not c.compute_ordered]
+            lost = [c for q in self._ord_streams.values() for c in q
+                    if not c.compute_ordered and not c.dropped]
             for c in [c for q in self._ord_streams.values() for c in q]:
                 c.snapshot = None
                 self._ord_retire(c)

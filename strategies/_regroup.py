@@ -85,12 +85,12 @@ def _place(store: TensorStore, p: _Placement, versions: dict[int, int]) -> None:
             unit.host, unit.mirror_current = None, False
             store.point_to_device(unit, p.buf)
         else:
-            _adopt_mirror(store, unit, p.buf)
+            store.adopt_mirror(unit, p.buf)
             store.point_to_host(unit)
         return
     # Carried over: the same storages at the same offsets, so the old buffers fit as they are.
     if old.host is not None:
-        _adopt_mirror(store, unit, old.host)
+        store.adopt_mirror(unit, old.host)
         unit.mirror_current = old.mirror_current
     if p.to == "device":
         if old.where == "device":
@@ -105,11 +105,11 @@ def _place(store: TensorStore, p: _Placement, versions: dict[int, int]) -> None:
         store.point_to_host(unit)
 
 
-def _adopt_mirror(store: TensorStore, unit: Unit, host: torch.Tensor) -> None:
-    unit.host = host
-    for st in unit.storages:
-        for slot in st.slots:
-            slot.host_view = slot.view_of(host, st.offset)
+def _alloc_all(store: TensorStore, placements: list[_Placement]) -> None:
+    """Allocate each placement's buffer on its tier (as it goes: a failure leaves those made
+    so far on their placements, for the undo to drop)."""
+    for p in placements:
+        p.buf = store.layer.alloc(p.unit.nbytes, p.to)
 
 
 def _same_storages(new: Unit, old_of: dict[int, _Storage], old: TensorStore) -> Unit | None:
@@ -130,6 +130,7 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
     move = RegroupMove(new, old, [])
     pairs: dict[Tier, list[CopyPair]] = {"device": [], "host": []}
     try:
+        fresh: list[_Placement] = []  # filled from wherever the bytes are, into a new buffer
         for unit in new.units:
             to: Tier = "device" if id(unit) in device_ids else "host"
             p = _Placement(unit, to)
@@ -146,16 +147,19 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
                 old.add_pending(unit.nbytes)
                 pairs["device"].append((p.buf, same.host))
                 continue
-            if to == "host" and new.layer.pinned:  # page-locking is slow: off the loop
-                p.buf = await anyio.to_thread.run_sync(new.layer.alloc, unit.nbytes, to)
-            else:
-                p.buf = new.layer.alloc(unit.nbytes, to)
-            if to == "device":
-                move._pending += unit.nbytes
-                old.add_pending(unit.nbytes)
-            for st in unit.storages:
-                pairs[to].append((p.buf[st.offset:st.offset + st.nbytes],
-                                  old.source_of(old_of[id(st)], to)))
+            fresh.append(p)
+        hosts = [p for p in fresh if p.to == "host"]
+        if hosts and new.layer.pinned:  # page-locking is slow: off the loop, in one go
+            await anyio.to_thread.run_sync(_alloc_all, new, hosts)
+        for p in fresh:
+            if p.buf is None:
+                p.buf = new.layer.alloc(p.unit.nbytes, p.to)
+            if p.to == "device":
+                move._pending += p.unit.nbytes
+                old.add_pending(p.unit.nbytes)
+            for st in p.unit.storages:
+                pairs[p.to].append((p.buf[st.offset:st.offset + st.nbytes],
+                                    old.source_of(old_of[id(st)], p.to)))
         for to in ("host", "device"):
             if pairs[to]:
                 await new.copy_pairs(pairs[to], to, progress)

@@ -29,7 +29,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import torch
@@ -41,6 +41,9 @@ from ._chunks import chunked
 from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
 from ._errors import ResidencyError
 from ._write import WriteMove, WriteSource, land_refresh, prepare_write
+
+if TYPE_CHECKING:
+    from ._discard import Discarded
 
 __all__ = ["ALIGN", "CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreError", "StoreReport",
            "TensorStore", "Unit", "forget_locals"]
@@ -80,6 +83,16 @@ class _Slot:
     host_view: torch.Tensor | None = None  # view into the unit's mirror, made once
     version: int = -1  # tensor._version when the mirror last matched / last re-pointed
     ptr: int = 0  # tensor.data_ptr() when last re-pointed
+    # A parameter or persistent buffer (a ``state_dict()`` tensor): what an update can bring
+    # back, so what a discarding sleep may drop (see strategies._discard).
+    state: bool = False
+    stale: bool = False  # discarded: its contents are undefined until an update writes it
+    # Its strides in its storage (a discarded tensor's placeholder has others).
+    stride: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.stride:
+            self.stride = tuple(self.tensor.stride())
 
     def view_of(self, buf: torch.Tensor, byte_offset: int) -> torch.Tensor:
         """A tensor with this slot's dtype, shape and strides over ``buf`` at ``byte_offset``."""
@@ -87,7 +100,7 @@ class _Slot:
         itemsize = t.element_size()
         start = buf.storage_offset() + byte_offset + self.byte_offset
         return torch.empty(0, dtype=t.dtype, device=buf.device).set_(
-            buf.untyped_storage(), start // itemsize, t.shape, t.stride())
+            buf.untyped_storage(), start // itemsize, t.shape, self.stride)
 
     def record(self) -> None:
         self.version = self.tensor._version
@@ -270,6 +283,12 @@ class Fetch:
         self.store.point_to_device(self.unit, self.buf)
         self.store.refresh_derived([self.unit])
 
+    def drop(self) -> None:
+        """Give the fetch up (a prefetch off the path that ran): nothing waits for the copy,
+        the unit stays on the host, the buffer goes (see :meth:`CopyHandle.drop`)."""
+        self.handle.drop()
+        self.store.add_pending(-self.unit.nbytes)
+
 
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
 
@@ -392,9 +411,12 @@ class TensorStore:
         # sleep/wake is refused); anywhere else a DTensor cannot be placed by us.
         self.refuse_dtensors = refuse_dtensors
         self.pending_bytes = 0  # device buffers allocated for moves not committed yet
+        # Asleep after a discarding sleep: what it kept (strategies._discard), else None.
+        self.discarded: Discarded | None = None
         self._pending_lock = threading.Lock()  # forward hooks run in worker threads too
         self.units: list[Unit] = []
         self.by_key: dict[str, Unit] = {}
+        self._all_slots: list[_Slot] = []
         self._inventory()
         self._layout = None  # taken over: do not keep the other store (and its buffers) alive
 
@@ -440,6 +462,11 @@ class TensorStore:
         return out + [r for r in attrs if r.tensor.is_meta is False and r.tensor.numel()]
 
     def _inventory(self) -> None:
+        # Stale tensors stay stale through a new inventory (a rescan, a regroup): their bytes
+        # are still undefined.
+        stale = {id(s.tensor) for s in self._all_slots if s.stale}
+        if self._layout is not None:
+            stale |= {id(s.tensor) for s in self._layout._all_slots if s.stale}
         self._watch: list[tuple[Any, object, object]] = []
         regs = self._registrations()
         self._buffers_of: dict[int, list[_Slot]] = {}
@@ -459,6 +486,8 @@ class TensorStore:
                 _unview(t)
                 slots[id(t)] = _Slot(t, [], int(t.storage_offset()) * t.element_size())
             slots[id(t)].names.append(r.name)
+            slots[id(t)].state |= r.kind == "parameter" or (
+                r.kind == "buffer" and r.key not in r.owner._non_persistent_buffers_set)
             if r.kind == "buffer":
                 self._buffers_of.setdefault(id(r.owner), []).append(slots[id(t)])
         if self._layout is not None:
@@ -484,6 +513,8 @@ class TensorStore:
         self.by_key = {u.key: u for u in self.units}
         self._by_name: dict[str, tuple[_Slot, Unit]] | None = None
         self._all_slots = [slot for u in self.units for slot in u.slot_list]
+        for slot in self._all_slots:
+            slot.stale = id(slot.tensor) in stale
         self._unit_of_storage = {id(st): u for u in self.units for st in u.storages}
         for u in self.units:
             on_device = all(s.tensor.device == self.layer.device for s in u.slot_list)
@@ -656,11 +687,9 @@ class TensorStore:
         """Allocate ``unit``'s host mirror if it has none; True when it was allocated now."""
         if unit.host is not None:
             return False
-        unit.host = self.layer.alloc(unit.nbytes, "host")
+        self.adopt_mirror(unit, self.layer.alloc(unit.nbytes, "host"))
+        assert unit.host is not None
         self.layer.label(unit.host, self.name, unit.key)
-        for st in unit.storages:
-            for slot in st.slots:
-                slot.host_view = slot.view_of(unit.host, st.offset)
         unit.mirror_current = False
         return True
 
@@ -677,6 +706,13 @@ class TensorStore:
             await anyio.to_thread.run_sync(allocate)
         else:
             allocate()
+
+    def adopt_mirror(self, unit: Unit, host: torch.Tensor) -> None:
+        """Make ``host`` (a host buffer of the unit's size) ``unit``'s mirror."""
+        unit.host = host
+        for st in unit.storages:
+            for slot in st.slots:
+                slot.host_view = slot.view_of(host, st.offset)
 
     def drop_mirror(self, unit: Unit) -> None:
         if unit.where == "host":
@@ -818,12 +854,13 @@ class TensorStore:
     def start_fetch(self, unit: Unit) -> Fetch:
         """Allocate ``unit``'s device buffer and start copying its mirror in.
 
-        The buffer is allocated on the compute stream and the copy runs on the copy stream
-        (which first waits for the compute stream). Every Fetch is completed before its
-        buffer can be dropped (``Fetch.complete``: the compute stream waits for the copy's
-        event), so the caching allocator never hands the block to later compute work while
-        the copy still writes it; the layerwise strategy's lock makes sure no Fetch is lost
-        on the way (two threads never start two fetches of one unit)."""
+        The buffer is allocated on the compute stream and the copy runs on the copy stream,
+        after the compute work queued so far (see :class:`~strategies._cuda.CudaDevice`).
+        A Fetch is either completed (``Fetch.complete``: the compute stream waits for the
+        copy's event before the tensors point at the buffer) or dropped (``Fetch.drop``: the
+        buffer is recorded on the copy stream, so its block is not reused before the copy
+        ran); the layerwise strategy's lock makes sure no Fetch is lost on the way (two
+        threads never start two fetches of one unit)."""
         assert unit.where == "host" and unit.host is not None
         buf = self.layer.alloc(unit.nbytes, "device")
         self.layer.label(buf, self.name, unit.key)
@@ -865,10 +902,15 @@ class TensorStore:
 
     def report(self) -> StoreReport:
         device = self.device_bytes
-        host = sum(u.nbytes for u in self.units if u.host is not None)
-        pinned = sum(self.layer.pinned_footprint(u.nbytes) for u in self.units
-                     if u.host is not None) if self.layer.pinned else 0
-        return StoreReport(device, host, pinned)
+        hosts = [u.nbytes for u in self.units if u.host is not None]
+        if self.discarded is not None and self.discarded.nbytes:
+            hosts.append(self.discarded.nbytes)
+        pinned = sum(self.layer.pinned_footprint(n) for n in hosts) if self.layer.pinned else 0
+        return StoreReport(device, sum(hosts), pinned)
+
+    def stale_names(self) -> list[str]:
+        """The tensors whose contents are undefined (discarded), under their first names."""
+        return sorted(s.names[0] for s in self._all_slots if s.stale)
 
     @property
     def nbytes(self) -> int:

@@ -13,13 +13,14 @@ leaves nothing behind. The prepared :class:`WriteMove` is then
   device *in the background* (see below), so the update answers at copy speed and the next
   sleep still copies nothing.
 
-The background refresh (:class:`MirrorRefresh`): the process's refresh thread (refreshes run
-one at a time, in order) starts the copies through the device layer (the CPU layer's copy
-thread; the device-to-host copy stream on CUDA) chunk by chunk, small chunks first, and waits
-for each, overlapping whatever runs next (forwards only read the weights). Between chunks it
-gives way to any write in progress on the same layer (the next component's update: two
-copies at once share one memory bus, or one link, and the write is what a caller waits for).
-On CUDA a chunk already queued cannot be cancelled, only waited for.
+The background refresh (:class:`MirrorRefresh`): the layer's refresh thread (refreshes run
+one at a time, in order; stopped by the layer's ``close``) starts the copies through the
+device layer (the CPU layer's copy thread; the device-to-host copy stream on CUDA) chunk by
+chunk, small chunks first, and waits for each, overlapping whatever runs next (forwards only
+read the weights). Between chunks it gives way to any write in progress on the same layer
+(the next component's update: two copies at once share one memory bus, or one link, and the
+write is what a caller waits for). On CUDA a chunk already queued cannot be cancelled, only
+waited for.
 
 A mirror is never wrong: at commit every refreshed tensor's version is set to a token of
 this refresh (stale), and a landed chunk marks a tensor current only if it still holds that
@@ -45,7 +46,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,8 +61,8 @@ from ._fileread import FileRegion
 if TYPE_CHECKING:
     from ._store import TensorStore, Unit, _Slot
 
-__all__ = ["MirrorRefresh", "WriteMove", "WriteSource", "land_refresh", "prepare_write",
-           "refresh_pending"]
+__all__ = ["MirrorRefresh", "WriteMove", "WriteSource", "cancel_refresh", "land_refresh",
+           "prepare_write", "refresh_pending"]
 
 # Bytes read per loader call (a chunk of sources is read in a worker thread, then written).
 READ_CHUNK = 256 * 2**20
@@ -113,11 +114,9 @@ class _Target:
 
 
 def _tier(pairs: Sequence[CopyPair], store: TensorStore) -> Tier:
-    """The stream for copies into buffers the layer allocated (backups): the device's when
-    one is on the device."""
-    device = store.layer.device
-    on_device = device.type != "cpu" and any(dst.device == device for dst, _ in pairs)
-    return "device" if on_device else "host"
+    """The stream for copies into buffers the layer allocated (backups): the device's when one
+    is device memory."""
+    return "device" if any(store.layer.device_memory(dst) for dst, _ in pairs) else "host"
 
 
 def _live_tier(targets: Sequence[_Target]) -> Tier:
@@ -209,8 +208,8 @@ class MirrorRefresh:
         self._after = after  # a refresh still landing into the same mirrors: wait for it
 
     def start(self) -> None:
-        """Queue it on the refresh thread (refreshes run one at a time, in order)."""
-        _executor().submit(self._run)
+        """Queue it on its layer's refresh thread (refreshes run one at a time, in order)."""
+        self.store.layer.refresher.submit(self._run)
 
     def _run(self) -> None:
         try:
@@ -342,30 +341,21 @@ def _growing_chunks(marks: Sequence[_Mark]) -> Iterator[list[_Mark]]:
         yield chunk
 
 
-_refresher: ThreadPoolExecutor | None = None
-_refresher_lock = threading.Lock()
-
-
-def _executor() -> ThreadPoolExecutor:
-    """The refresh thread: one per process, started on first need."""
-    global _refresher
-    with _refresher_lock:
-        if _refresher is None:
-            _refresher = ThreadPoolExecutor(1, thread_name_prefix="residency-refresh")
-        return _refresher
-
-
 def _forget_after_fork() -> None:
     # A forked child inherits no thread: its refreshes never land (their tensors stay
-    # stale, which is safe), so it forgets them, and starts a refresh thread of its own.
-    global _refresher
-    _refresher = None
+    # stale, which is safe), so it forgets them (its layers start refresh threads anew).
     _PENDING.clear()
 
 
 # The refresh in flight (or landed, not yet collected) per store (by identity).
 _PENDING: weakref.WeakKeyDictionary[TensorStore, MirrorRefresh] = weakref.WeakKeyDictionary()
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+async def cancel_refresh(store: TensorStore) -> None:
+    """Stop ``store``'s background refresh (the chunk in flight lands first): what it would
+    still copy is not wanted (a discarding sleep drops it, or copies it itself)."""
+    await _supersede(store)
 
 
 def refresh_pending(store: TensorStore) -> MirrorRefresh | None:
@@ -415,7 +405,8 @@ class WriteMove:
 
     async def _restore(self, targets: Sequence[_Target]) -> None:
         with anyio.CancelScope(shield=True):
-            pairs = [t.restore_pair() for t in targets]
+            # (A stale tensor had no contents to keep: it stays stale, its bytes undefined.)
+            pairs = [t.restore_pair() for t in targets if not t.slot.stale]
             await self.store.copy_pairs(pairs, _live_tier(targets))
             for t in targets:
                 t.forget_write()
@@ -427,7 +418,7 @@ class WriteMove:
 
     def rollback(self) -> None:
         """Synchronous :meth:`undo` (blocks until the restore copy has landed)."""
-        pairs = [t.restore_pair() for t in self.targets]
+        pairs = [t.restore_pair() for t in self.targets if not t.slot.stale]
         if pairs:
             # The host waits for this restore copy alone (the backups are dropped next).
             self.store.layer.start_copy(pairs, _live_tier(self.targets)).wait_host()
@@ -444,6 +435,7 @@ class WriteMove:
         written = set()
         for t in self.targets:
             slot = t.slot
+            slot.stale = False  # written: defined again
             written.add(id(slot))
             if t.unit.where == "host":
                 slot.version = slot.tensor._version
@@ -502,17 +494,18 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
                                slot.version == slot.tensor._version))
     move = WriteMove(store, targets, units=list({id(t.unit): t.unit for t in targets}.values()),
                      leftovers=leftovers)
-    device = [t for t in targets if not t.mirrored and t.live.device.type != "cpu"]
-    free = store.layer.free_bytes()
+    layer = store.layer
+    device = [t for t in targets if not t.mirrored and not t.slot.stale
+              and layer.device_memory(t.live)]
+    free = layer.free_bytes()
     backup_on_device = free is None or free > 2 * sum(t.nbytes for t in device)
     written: list[_Target] = []
-    layer = store.layer
     writes = _writes_on(layer)
     writes.enter()  # background refreshes (of other stores) pause meanwhile
     try:
         for t in targets:
-            if not t.mirrored:
-                t.backup = _backup(t, store, backup_on_device and t.live.device.type != "cpu")
+            if not t.mirrored and not t.slot.stale:
+                t.backup = _backup(t, store, backup_on_device and layer.device_memory(t.live))
         pairs = [(t.backup, t.live) for t in targets if t.backup is not None]
         await store.copy_pairs(pairs, _tier(pairs, store))
         for chunk in chunked(targets, lambda t: t.nbytes, READ_CHUNK):

@@ -30,12 +30,17 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._device import CpuDevice, CudaDevice, DeviceLayer, Tier, cpu_layer_kind, resolve_device
+from ._cuda import CudaDevice
+from ._cudart import CudaRuntime
+from ._cudasim import CudaSimViolation, SimCuda, check_cuda_sim
+from ._device import CpuDevice, DeviceLayer, Tier, resolve_device
 from ._fileread import FileRegion
+from ._layers import cpu_layer_kind, layer_seed
 from ._ordering import POISON, OrderingDevice, OrderingViolation, check_ordering
 
-__all__ = ["POISON", "FaultInjection", "FaultyDevice", "InjectedFault", "OrderingDevice",
-           "OrderingFaultyDevice", "OrderingViolation", "check_ordering", "faulty_device_layer"]
+__all__ = ["POISON", "CudaSimViolation", "FaultInjection", "FaultyCudaDevice", "FaultyDevice",
+           "InjectedFault", "OrderingDevice", "OrderingFaultyDevice", "OrderingViolation",
+           "SimCuda", "check_cuda_sim", "check_ordering", "faulty_device_layer", "sim_cuda_layer"]
 
 
 class InjectedFault(RuntimeError):
@@ -146,17 +151,36 @@ class OrderingFaultyDevice(FaultInjection, OrderingDevice):
         self._ord_delays = random.Random(seed if ordering_seed is None else ordering_seed)
 
 
-class FaultyCudaDevice(FaultInjection, CudaDevice):  # pragma: no cover - CUDA only
-    """The CUDA device layer with fault injection."""
+class FaultyCudaDevice(FaultInjection, CudaDevice):
+    """The CUDA device layer with fault injection (``runtime``: a simulated GPU, say)."""
+
+    def __init__(self, device: torch.device | None = None, runtime: CudaRuntime | None = None,
+                 *, fail_copy_at: int | None = None, fail_alloc_at: int | None = None,
+                 copy_delay: float = 0.0, alloc_delay: float = 0.0, jitter: float = 0.0,
+                 seed: int = 0) -> None:
+        super().__init__(device or torch.device("cpu"), runtime, fail_copy_at=fail_copy_at,
+                         fail_alloc_at=fail_alloc_at, copy_delay=copy_delay,
+                         alloc_delay=alloc_delay, jitter=jitter, seed=seed)
+
+
+def sim_cuda_layer(**sim: Any) -> CudaDevice:
+    """:class:`~strategies._cuda.CudaDevice` over a simulated GPU (:class:`SimCuda`, made with
+    ``sim``: ``seed``, ``max_lag``, ``capacity``, ...): the CUDA layer's own code on the CPU."""
+    sim.setdefault("seed", layer_seed())
+    return CudaDevice(torch.device("cpu"), SimCuda(**sim))
 
 
 def faulty_device_layer(device: str | torch.device | None = None, **faults: Any
                         ) -> FaultInjection:
     """A fault-injecting layer for ``device`` (see :func:`strategies.resolve_device`; on a
-    CPU device, the ordering one when ``RESIDENCY_DEVICE_LAYER=ordering``)."""
+    CPU device, the ordering one or the CUDA one over a simulated GPU when
+    ``RESIDENCY_DEVICE_LAYER`` asks for it)."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         return FaultyCudaDevice(dev, **faults)
-    if cpu_layer_kind() == "ordering":
+    kind = cpu_layer_kind()
+    if kind == "ordering":
         return OrderingFaultyDevice(dev, **faults)
+    if kind == "cuda-sim":
+        return FaultyCudaDevice(dev, SimCuda(seed=layer_seed()), **faults)
     return FaultyDevice(dev, **faults)

@@ -1,97 +1,138 @@
 """Every async test runs on asyncio (debug mode: flags torch work blocking the loop) and trio.
 
-``--device-layer=ordering`` runs the tests on the ordering layer (``strategies.testing.
-OrderingDevice``): every controller and store that makes its own CPU layer gets one, and
-``FaultyDevice`` (with the test layers derived from it) becomes ``OrderingFaultyDevice``.
-Copies then land late, only when waited for, poison (NaN) until then, and any ordering
-mistake of the CUDA path is reported. Whatever the option, a test fails at teardown if an
-ordering layer recorded a violation during it (even one the code under test swallowed) or
-holds a copy nobody waited for.
+``--device-layer`` picks the layer every controller and store that makes its own CPU layer
+gets (through ``RESIDENCY_DEVICE_LAYER``, so the programs tests start get it too), and what
+``FaultyDevice`` (with the test layers derived from it) becomes:
+
+* ``ordering``: the ordering layer (``strategies.testing.OrderingDevice``, and
+  ``OrderingFaultyDevice``): copies land late, only when waited for, poison (NaN) until then,
+  and any ordering mistake of the CUDA path is reported;
+* ``cuda-sim``: the CUDA layer itself (``CudaDevice``, and ``FaultyCudaDevice``) over a
+  simulated GPU (``strategies.testing.SimCuda``): streams that land late, a lagging compute
+  stream, torch's allocator rules, pinned registration, poison.
+
+Whatever the option, a test fails at teardown if a checking layer recorded a violation during
+it (even one the code under test swallowed) or holds a copy nobody waited for.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import structlog
 import torch
 
-import lifecycle._controller
 import lifecycle.testing
-import strategies._factory
 import strategies.testing
-from strategies import DeviceLayer, resolve_device
-from strategies._device import DEVICE_LAYER_ENV
-from strategies.testing import OrderingDevice, OrderingFaultyDevice, check_ordering
+from strategies import CudaDevice
+from strategies._layers import DEVICE_LAYER_ENV, LAYER_KINDS, layer_seed, seed_layers
+from strategies.testing import (
+    FaultyCudaDevice,
+    OrderingFaultyDevice,
+    SimCuda,
+    check_cuda_sim,
+    check_ordering,
+)
 
 ORDERING_MAX_DELAY = 0.002  # seconds: each copy lands up to this late (keeps the pass fast)
-_seeds = itertools.count()
-_seed_base = 0
-
-
-def _next_seed() -> int:
-    return _seed_base + next(_seeds)
-
-
-class _OrderingCpuDevice(OrderingDevice):
-    """The ordering layer where a test lets the library make its own CPU layer."""
-
-    def __init__(self, device: torch.device | None = None) -> None:
-        super().__init__(device, seed=_next_seed(), max_delay=ORDERING_MAX_DELAY)
 
 
 class _OrderingFaultyDevice(OrderingFaultyDevice):
     """``FaultyDevice`` under ``--device-layer=ordering``: delays seeded per test."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("ordering_seed", _next_seed())
+        kwargs.setdefault("ordering_seed", layer_seed())
         kwargs.setdefault("max_delay", ORDERING_MAX_DELAY)
         super().__init__(*args, **kwargs)
 
 
-def _ordering_device_layer(device: str | torch.device | None) -> DeviceLayer:
-    dev = resolve_device(device)
-    if dev.type == "cpu":
-        return _OrderingCpuDevice(dev)
-    return _original["lifecycle._controller.make_device_layer"](dev)  # type: ignore[no-any-return]
+class _SimFaultyDevice(FaultyCudaDevice):
+    """``FaultyDevice`` under ``--device-layer=cuda-sim``: the CUDA layer with fault
+    injection, over a simulated GPU seeded per test."""
+
+    def __init__(self, device: torch.device | None = None, **faults: Any) -> None:
+        super().__init__(device, SimCuda(seed=layer_seed()), **faults)
 
 
+_FAULTY = {"ordering": _OrderingFaultyDevice, "cuda-sim": _SimFaultyDevice}
 _original: dict[str, Any] = {}
 _env_before = os.environ.get(DEVICE_LAYER_ENV)  # restored at the end of the session
-# (module, attribute, replacement): where the layers the tests do not inject are looked up.
-_PATCHES = [
-    (lifecycle._controller, "make_device_layer", _ordering_device_layer),
-    (strategies._factory, "CpuDevice", _OrderingCpuDevice),
-    (strategies.testing, "FaultyDevice", _OrderingFaultyDevice),
-    (lifecycle.testing, "FaultyDevice", _OrderingFaultyDevice),
-]
+# Where tests look up the fault-injecting CPU layer by name (module, attribute).
+_PATCHES = [(strategies.testing, "FaultyDevice"), (lifecycle.testing, "FaultyDevice")]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--device-layer", choices=("cpu", "ordering"), default="cpu",
+    parser.addoption("--device-layer", choices=LAYER_KINDS, default="cpu",
                      help="the CPU device layer tests run on: 'ordering' lands copies late "
-                          "and reports ordering mistakes of the CUDA path (see tests/conftest.py)")
+                          "and reports ordering mistakes of the CUDA path; 'cuda-sim' runs the "
+                          "CUDA layer itself on a simulated GPU (see tests/conftest.py)")
     parser.addoption("--ordering-seed", type=int, default=0,
-                     help="seed of the ordering layer's copy delays (mixed with each test's id)")
+                     help="seed of the checking layers' copy delays (mixed with each test's id)")
+    parser.addoption("--no-asyncio-debug", action="store_true",
+                     help="run asyncio without its debug mode (see anyio_backend)")
+    parser.addoption("--gpu", action="store_true",
+                     help="run the tests marked cuda (tests/gpu) on the real GPU (scripts/test --gpu)")
+    parser.addoption("--gpu-json", default=None,
+                     help="write what the tests marked cuda record (results, bandwidths) as JSON")
+    parser.addoption("--gpu-budget", type=float, default=None,
+                     help="seconds for the tests marked cuda; those left when spent are skipped")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` run on a CUDA layer: the real GPU with ``--gpu``, a simulated one
+    under ``--device-layer=cuda-sim``; anywhere else they are skipped."""
+    if config.getoption("--gpu"):
+        if torch.cuda.is_available():
+            return
+        reason = "--gpu given, but CUDA is not available"
+    elif config.getoption("--device-layer") == "cuda-sim":
+        return
+    else:
+        reason = "needs a CUDA layer: --gpu (a GPU) or --device-layer=cuda-sim"
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cuda_layer(request: pytest.FixtureRequest) -> Iterator[Callable[..., CudaDevice]]:
+    """Makes ``CudaDevice`` layers (``cuda_layer(**sim)``): on the real GPU with ``--gpu``,
+    over a simulated GPU (``SimCuda(**sim)``) otherwise; every layer made is closed after."""
+    made: list[CudaDevice] = []
+    real = bool(request.config.getoption("--gpu"))
+
+    def make(**sim: Any) -> CudaDevice:
+        if real:
+            layer = CudaDevice(torch.device("cuda", torch.cuda.current_device()))
+        else:
+            layer = CudaDevice(torch.device("cpu"), SimCuda(seed=layer_seed(), **sim))
+        made.append(layer)
+        return layer
+
+    yield make
+    for layer in made:
+        layer.close()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Before collection: test modules import FaultyDevice by name.
-    if config.getoption("--device-layer") == "ordering":
-        for module, name, replacement in _PATCHES:
+    kind = config.getoption("--device-layer")
+    if kind != "cpu":
+        # Before collection: test modules import FaultyDevice by name.
+        for module, name in _PATCHES:
             _original.setdefault(f"{module.__name__}.{name}", getattr(module, name))
-            setattr(module, name, replacement)
-        # Programs the tests start (`residency serve`, drills, rank workers) inherit it.
-        os.environ[DEVICE_LAYER_ENV] = "ordering"
+            setattr(module, name, _FAULTY[kind])
+        # Every layer the library makes for a CPU device (controllers, strategies), and the
+        # programs the tests start (`residency serve`, drills, rank workers), use it.
+        os.environ[DEVICE_LAYER_ENV] = kind
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for module, name, _ in _PATCHES:
+    for module, name in _PATCHES:
         key = f"{module.__name__}.{name}"
         if key in _original:
             setattr(module, name, _original.pop(key))
@@ -102,23 +143,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    if config.getoption("--device-layer") == "ordering":
-        return (f"device layer: ordering (seed {config.getoption('--ordering-seed')}, "
-                f"copies land up to {ORDERING_MAX_DELAY * 1e3:g} ms late, when waited for)")
+    kind = config.getoption("--device-layer")
+    seed = config.getoption("--ordering-seed")
+    if kind == "ordering":
+        return (f"device layer: ordering (seed {seed}, copies land up to "
+                f"{ORDERING_MAX_DELAY * 1e3:g} ms late, when waited for)")
+    if kind == "cuda-sim":
+        return f"device layer: CudaDevice on a simulated GPU (seed {seed})"
     return None
 
 
 @pytest.fixture(autouse=True)
 def _ordering_checks(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Seeds the ordering layers made in this test; at teardown, fails the test for every
-    ordering violation they recorded (raised and swallowed, or only recorded by a finalizer)
-    and every copy still in flight that nobody waited for."""
-    global _seed_base, _seeds
-    _seed_base = zlib.crc32(request.node.nodeid.encode()) ^ request.config.getoption(
-        "--ordering-seed")
-    _seeds = itertools.count()
+    """Seeds the checking layers made in this test; at teardown, fails the test for every
+    violation they recorded (raised and swallowed, or only recorded by a finalizer) and
+    every copy still in flight that nobody waited for."""
+    seed_layers(zlib.crc32(request.node.nodeid.encode()) ^ request.config.getoption(
+        "--ordering-seed"))
     yield
-    problems = check_ordering()
+    problems = check_ordering() + check_cuda_sim()
     if problems:
         pytest.fail("ordering violations:\n- " + "\n- ".join(problems), pytrace=False)
 
@@ -126,7 +169,13 @@ def _ordering_checks(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture(params=[pytest.param(("asyncio", {"debug": True}), id="asyncio"),
                         pytest.param(("trio", {}), id="trio")])
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
-    return request.param  # type: ignore[no-any-return]
+    """Both loops; asyncio in debug mode (it flags callbacks that block the loop), except with
+    ``--no-asyncio-debug`` (the checking passes: their layers check ordering, not the loop, and
+    debug mode's stack captures at every callback cost them a third of their time)."""
+    name, options = request.param
+    if name == "asyncio" and request.config.getoption("--no-asyncio-debug"):
+        options = {}
+    return name, options
 
 
 @pytest.fixture(autouse=True)

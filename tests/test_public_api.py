@@ -19,12 +19,16 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
     assert lifecycle.__all__ == sorted(lifecycle.__all__)
     assert set(lifecycle.__all__) == public_names(lifecycle)
     assert set(lifecycle.__all__) == {
-        "AdmissionTimeout", "ComponentAsleep", "ComponentNotPlaced", "ComponentPlacement",
+        "AdmissionTimeout", "ComponentAsleep", "ComponentBusy", "ComponentNotPlaced",
+        "ComponentPlacement",
         "ComponentResidencyError", "DrainTimeout", "FSDPInferenceUnsupported", "GroupBroken",
         "LifecycleController", "LifecycleError", "OccupationResult", "Phase", "PlacementReport",
         "RankChecksums", "RanksDisagree", "ResidencyChange", "ResidencyPlan", "InfeasibleBudget",
         "ResidencyError", "StoreError", "SyncLifecycleController", "TransitionFailed",
         "TransitionRejected", "UnsupportedCompute", "UpdateResult", "WeightUpdateWhileSleeping",
+        "InvalidRequest", "UnknownComponent", "WeightSyncError", "WeightSyncGroupBroken",
+        "WeightSyncGroupMissing", "TensorHashCheck", "WeightUpdateGroupResult",
+        "WeightUpdateGroupState",
         "configure_logging",
         "mermaid"}
 
@@ -72,8 +76,13 @@ def test_error_tree_matches_its_documentation() -> None:
     assert issubclass(lifecycle.ComponentAsleep, lifecycle.LifecycleError)
     assert issubclass(lifecycle.AdmissionTimeout, TimeoutError)
     assert issubclass(strategies.ComponentResidencyError, ValueError)
+    assert issubclass(lifecycle.InvalidRequest, ValueError)
+    assert issubclass(lifecycle.UnknownComponent, KeyError)
+    for sync_error in (lifecycle.WeightSyncGroupMissing, lifecycle.WeightSyncGroupBroken):
+        assert issubclass(sync_error, lifecycle.WeightSyncError)
     for error in (lifecycle.LifecycleError, strategies.StoreError,
-                  strategies.ComponentResidencyError):
+                  strategies.ComponentResidencyError, lifecycle.InvalidRequest,
+                  lifecycle.WeightSyncError):
         assert issubclass(error, strategies.ResidencyError)
     assert lifecycle.ResidencyError is strategies.ResidencyError
 

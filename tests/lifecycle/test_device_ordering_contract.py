@@ -64,6 +64,10 @@ class RecordingDevice(CpuDevice):
                 layer.calls.append(f"wait_host {to}")
                 handle.wait_host()
 
+            def drop(self) -> None:
+                layer.calls.append(f"drop {to}")
+                handle.drop()
+
         return Recorded()
 
 

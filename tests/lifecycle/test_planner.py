@@ -235,11 +235,13 @@ async def test_auto_residency_plans_at_attach_under_the_budget() -> None:
     so, and generations stay within the budget with identical outputs."""
     pipe = DemoPipeline.build(SIZE)
     expected = pipe.forward_sync(steps=3)
-    ctl = LifecycleController("cpu", residency="auto", device_budget="70%")
+    # In bytes: a share would be of the device's free memory where the layer knows it.
+    budget = int(0.7 * pipe.nbytes)
+    ctl = LifecycleController("cpu", residency="auto", device_budget=budget)
     await ctl.attach(pipe)
     plan = ctl.last_plan
     assert plan is not None
-    assert plan.budget_bytes == int(ctl.report().device_bytes * 0 + plan.budget_bytes)
+    assert plan.budget_bytes == budget
     assert ctl.config == plan.config
     modes = {n: ctl.strategy(n).mode for n in ctl.components}
     assert modes != dict.fromkeys(modes, ResidencyMode.RESIDENT)

@@ -182,7 +182,7 @@ async def test_a_cancelled_change_leaves_the_old_layout() -> None:
     """A change cancelled at any point of its copies (slow copies, growing deadlines) either
     completes or leaves the old layout exactly, and outputs stay identical."""
     outcomes = set()
-    for deadline in (0.0, 0.003, 0.01, 0.03, 0.3):
+    for deadline in (0.0, 0.003, 0.01, 0.03, 3.0):  # (the last: enough for 64 slow copies)
         layer = FaultyDevice(copy_delay=0.004)
         ctl, pipe, expected = await _attached("resident", layer)
         before = _layout(ctl)
@@ -288,5 +288,9 @@ async def test_peak_counts_a_resident_pipeline_and_falls_to_what_is_held_after_s
     assert ctl.report().peak_device_bytes == 0
     await ctl.wake()
     assert ctl.report().peak_device_bytes == size
-    assert ctl.report().allocator_peak_bytes is None  # CPU: no allocator statistics
+    if ctl.device_layer.memory_allocated() is None:  # the CPU layers: no allocator statistics
+        assert ctl.report().allocator_peak_bytes is None
+    else:  # the CUDA layer: the allocator's blocks hold the pipeline (rounded up)
+        allocator_peak = ctl.report().allocator_peak_bytes
+        assert allocator_peak is not None and allocator_peak >= size
     await ctl.aclose()

@@ -352,22 +352,27 @@ def test_the_option_puts_controllers_that_make_their_own_layer_on_the_ordering_l
 def test_the_environment_picks_the_layer_of_a_cpu_device(monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
     """RESIDENCY_DEVICE_LAYER=ordering makes every CPU layer the library builds itself an
-    ordering layer (a program started by a test runs its moves as CUDA orders them); 'cpu'
-    or nothing gives the plain layer; anything else is refused naming the valid values."""
+    ordering layer, cuda-sim the CUDA layer over a simulated GPU (a program started by a test
+    runs its moves as CUDA orders them); 'cpu' or nothing gives the plain layer; anything
+    else is refused naming the valid values."""
     import strategies.testing
-    from strategies import CpuDevice, make_device_layer
-    from strategies._device import DEVICE_LAYER_ENV
-    from strategies.testing import faulty_device_layer
+    from strategies import CpuDevice, CudaDevice, make_device_layer
+    from strategies._layers import DEVICE_LAYER_ENV
+    from strategies.testing import FaultyCudaDevice, SimCuda, faulty_device_layer
 
     monkeypatch.setenv(DEVICE_LAYER_ENV, "ordering")
     assert type(make_device_layer("cpu")) is OrderingDevice
     assert isinstance(faulty_device_layer("cpu", fail_copy_at=3), OrderingFaultyDevice)
+    monkeypatch.setenv(DEVICE_LAYER_ENV, "cuda-sim")
+    layer = make_device_layer("cpu")
+    assert type(layer) is CudaDevice and isinstance(layer.runtime, SimCuda)
+    assert isinstance(faulty_device_layer("cpu", fail_copy_at=3), FaultyCudaDevice)
     monkeypatch.setenv(DEVICE_LAYER_ENV, "cpu")
     assert type(make_device_layer("cpu")) is CpuDevice
     monkeypatch.delenv(DEVICE_LAYER_ENV)
     assert type(make_device_layer("cpu")) is CpuDevice
     monkeypatch.setenv(DEVICE_LAYER_ENV, "fast")
-    with pytest.raises(ValueError, match="'cpu' and 'ordering'"):
+    with pytest.raises(ValueError, match="'cpu', 'ordering', 'cuda-sim'"):
         make_device_layer("cpu")
     monkeypatch.delenv(DEVICE_LAYER_ENV)
     # (the ordering pytest pass has replaced FaultyDevice itself: compare with what it is)

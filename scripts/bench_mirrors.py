@@ -1,0 +1,78 @@
+"""Host mirrors as anonymous mappings: shared (what the CUDA layer used) against private with
+transparent huge pages asked for (what it uses now), for the host side of a sleep: the first
+write into fresh pages (page faults) and a rewrite of faulted pages, in GB/s.
+
+    .venv/bin/python scripts/bench_mirrors.py [--size 1GiB] [--repeats 5] [--json]
+
+Registration with the driver (``cudaHostRegister``) is not timed here: it needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lifecycle.demo import parse_size
+
+
+def mapping(nbytes: int, private: bool) -> mmap.mmap:
+    if not private:
+        return mmap.mmap(-1, nbytes)
+    arena = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    return arena
+
+
+def once(nbytes: int, private: bool, source: torch.Tensor) -> tuple[float, float]:
+    arena = mapping(nbytes, private)
+    view = torch.frombuffer(arena, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    view.copy_(source)  # fresh pages: faults
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    view.copy_(source)  # faulted pages
+    again = time.perf_counter() - t0
+    del view
+    arena.close()
+    return nbytes / first / 1e9, nbytes / again / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1GiB")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    nbytes = parse_size(args.size)
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    out: dict[str, Any] = {"bytes": nbytes, "thp": Path(
+        "/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+        if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists() else None}
+    for name, private in (("shared", False), ("private_hugepage", True)):
+        runs = [once(nbytes, private, source) for _ in range(args.repeats)]
+        out[name] = {"first_write_gbps": statistics.median(r[0] for r in runs),
+                     "rewrite_gbps": statistics.median(r[1] for r in runs)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{args.size}, transparent huge pages: {out['thp']}")
+        for name in ("shared", "private_hugepage"):
+            r = out[name]
+            print(f"{name:18} first write {r['first_write_gbps']:6.2f} GB/s   "
+                  f"rewrite {r['rewrite_gbps']:6.2f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,448 @@
+"""The CUDA layer's own code (strategies._cuda.CudaDevice) on the simulated GPU: weight updates
+of every dtype and layout, layerwise memory bounds, threads and devices, streams, mappings.
+
+These run in every test pass: the layers here are built over a simulated GPU explicitly."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from lifecycle import ComponentBusy, LifecycleController, Phase, UnsupportedCompute
+from strategies import CudaDevice, LayerwiseOffloadStrategy, ResidencyConfig
+from strategies.testing import FaultyDevice, SimCuda, check_cuda_sim, sim_cuda_layer
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+
+
+def values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100, 100, shape, generator=g, dtype=dtype)
+
+
+class Typed(nn.Module):
+    """Buffers of one dtype: 0-d, 1-d, 2-d, and a non-contiguous (transposed) 2-d one."""
+
+    scalar: torch.Tensor
+    vector: torch.Tensor
+    matrix: torch.Tensor
+    strided: torch.Tensor
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("scalar", values(dtype, (), 1))
+        self.register_buffer("vector", values(dtype, (7,), 2))
+        self.register_buffer("matrix", values(dtype, (5, 6), 3))
+        self.register_buffer("strided", values(dtype, (6, 4), 4).t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scalar.float() + self.vector.float().sum() + self.strided.float().sum()
+
+
+def new_values(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """New values for ``Typed``: contiguous and non-contiguous sources, and a float32 source
+    for a narrower float target (the update casts it)."""
+    source = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    return {"scalar": values(source, (), 11), "vector": values(dtype, (7,), 12),
+            "matrix": values(dtype, (6, 5), 13).t(), "strided": values(dtype, (6, 4), 14).t()}
+
+
+def assert_written(module: Typed, new: dict[str, torch.Tensor]) -> None:
+    for name, value in new.items():
+        got = getattr(module, name)
+        assert got.dtype == module.vector.dtype and got.shape == value.shape, name
+        assert torch.equal(got, value.to(got.dtype)), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", ["resident", "component-offload"])
+async def test_updates_from_host_tensors_of_every_dtype_and_layout_are_exact(
+        dtype: torch.dtype, mode: str) -> None:
+    """An update from CPU tensors (the pageable path, staged through pinned buffers) writes
+    0-d, 1-d, 2-d and non-contiguous targets of fp32, bf16, fp16 and int8 exactly, from
+    contiguous, strided and wider sources; a sleep and a wake keep them."""
+    module = Typed(dtype)
+    layer = sim_cuda_layer()
+    layer.stage_bytes = 16  # several chunks per tensor, both staging buffers in turn
+    ctl = LifecycleController(device_layer=layer, residency=f"typed={mode}")
+    await ctl.attach({"typed": module})
+    new = new_values(dtype)
+    result = await ctl.update_weights_from_tensors(new, "typed")
+    assert result.success, result.message
+    assert_written(module, new)
+    await ctl.sleep()
+    await ctl.wake()
+    async with ctl.use("typed"):
+        assert_written(module, new)
+    await ctl.aclose()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)
+async def test_updates_from_disk_of_every_layout_are_exact(dtype: torch.dtype,
+                                                           tmp_path: Path) -> None:
+    """An update from a safetensors checkpoint (loaded on the host) writes 0-d, 1-d, 2-d and
+    strided targets exactly on the CUDA layer."""
+    module = Typed(dtype)
+    ctl = LifecycleController(device_layer=sim_cuda_layer())
+    await ctl.attach({"typed": module})
+    new = {k: v.to(dtype).contiguous() for k, v in new_values(dtype).items()}
+    (tmp_path / "typed").mkdir()
+    save_file(new, str(tmp_path / "typed" / "model.safetensors"))
+    result = await ctl.update_weights_from_disk(tmp_path)
+    assert result.success, result.message
+    assert_written(module, new)
+    await ctl.aclose()
+
+
+# -- layerwise: reserved memory --------------------------------------------------------
+
+DIM = 64
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 2 * DIM)
+        self.fc2 = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))  # type: ignore[no-any-return]
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 12) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h: torch.Tensor = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def layerwise(prefetch: float, resident: float) -> ResidencyConfig:
+    return ResidencyConfig.parse("net=layerwise-offload", prefetch={"net": prefetch},
+                                 resident_layers={"net": resident})
+
+
+async def serve_layerwise(layer: CudaDevice, config: ResidencyConfig
+                          ) -> tuple[LifecycleController, Net, Net, LayerwiseOffloadStrategy]:
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    ctl = LifecycleController(device_layer=layer, residency=config)
+    await ctl.attach({"net": model})
+    strategy = ctl.strategy("net")
+    assert isinstance(strategy, LayerwiseOffloadStrategy)
+    return ctl, model, reference, strategy
+
+
+@pytest.mark.parametrize(("prefetch", "resident"), [(1.0, 0.0), (2.0, 0.25)])
+async def test_layerwise_reserved_memory_stays_within_the_bound_while_compute_lags(
+        prefetch: float, resident: float) -> None:
+    """With the compute stream lagging the host (every layer's kernels land up to 20 ms
+    late), the allocator's reserved bytes during layerwise uses stay within non-layer +
+    (resident + prefetch + 1) x largest layer (plus 512-byte block rounding): freed layer
+    buffers are reused at once instead of new blocks being taken while compute catches up."""
+    gpu = SimCuda(exact_segments=True, max_lag=0.02)
+    ctl, model, reference, strategy = await serve_layerwise(CudaDevice(torch.device("cpu"), gpu),
+                                                            layerwise(prefetch, resident))
+    x = torch.randn(4, DIM)
+    ctl.reset_peak()
+    with torch.no_grad():
+        expected = reference(x)
+        async with ctl.use("net"):
+            for _ in range(4):
+                assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)  # outside use() too
+    report = ctl.report()
+    bound = strategy.peak_bound() + 512 * len(strategy.store.units)
+    assert report.reserved_peak_bytes is not None
+    assert report.reserved_peak_bytes <= bound, (report.reserved_peak_bytes, bound)
+    await ctl.aclose()
+
+
+async def test_free_bytes_do_not_count_blocks_still_waiting_for_a_stream() -> None:
+    """A block freed while a stream that used it has not passed the free is not free memory
+    yet: free_bytes() leaves it out (the driver's free memory plus reusable cached blocks)."""
+    gpu = SimCuda(max_lag=10.0, capacity=64 * 2**20)
+    layer = CudaDevice(torch.device("cpu"), gpu)
+    buf = layer.alloc(4096, "device")
+    handle = layer.start_copy([(buf, torch.ones(4096, dtype=torch.uint8))], "device")
+    before = layer.free_bytes()
+    assert before is not None
+    handle.drop()
+    del buf
+    assert gpu.memory().active - gpu.memory().allocated == 4096
+    assert layer.free_bytes() == before
+    layer.synchronize()
+    assert layer.free_bytes() == before + 4096
+
+
+# -- threads, devices, the event loop ---------------------------------------------------
+
+async def test_pinned_memory_is_registered_and_unregistered_with_the_layers_device_off_the_loop(
+        ) -> None:
+    """Mirrors are page-locked in worker threads and given back when freed, each time with the
+    layer's device current (a context on GPU 0 otherwise) and never on the event loop's thread
+    (unregistering synchronizes); empty_cache after a sleep runs off the loop too."""
+    gpu = SimCuda(index=3)
+    layer = CudaDevice(torch.device("cpu"), gpu)
+    threads: list[str] = []
+    original = gpu.empty_cache
+
+    def empty_cache() -> None:
+        threads.append(threading.current_thread().name)
+        original()
+
+    gpu.empty_cache = empty_cache  # type: ignore[method-assign]
+    module = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    ctl = LifecycleController(device_layer=layer, residency="net=component-offload")
+    await ctl.attach({"net": module})
+    unit = ctl.strategy("net").store.units[0]
+    assert unit.host is not None and gpu.is_pinned(unit.host)
+    await ctl.sleep()
+    await ctl.wake()
+    await ctl.detach()
+    await ctl.aclose()
+    assert threads and threading.main_thread().name not in threads
+    assert not gpu._pinned  # every registration given back
+    assert check_cuda_sim() == []
+
+
+def test_mirrors_stay_mapped_at_interpreter_exit(tmp_path: Path) -> None:
+    """A weight that points into a pinned mirror is still readable from an atexit handler
+    that runs after the finalizers would (the mirror is not unmapped at exit)."""
+    script = textwrap.dedent("""
+        import atexit
+        seen = []
+        # Registered before anything makes a weakref.finalize: runs after their exit hook.
+        atexit.register(lambda: print("sum", float(seen[0].weight.detach().sum()), flush=True))
+        import anyio, torch
+        from torch import nn
+        from lifecycle import LifecycleController
+        from strategies.testing import sim_cuda_layer
+        lin = nn.Linear(64, 64)
+        torch.nn.init.constant_(lin.weight, 1.0)
+        ctl = LifecycleController(device_layer=sim_cuda_layer(), residency="net=component-offload")
+        anyio.run(ctl.attach, {"net": lin})
+        seen.append(lin)  # its weight now points into a pinned mirror
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sum 4096.0" in done.stdout
+
+
+def test_two_threads_staging_at_once_take_turns_with_the_staging_buffers() -> None:
+    """Two worker threads copying pageable tensors at once (the layer's limiter allows two)
+    never write a staging buffer a copy of the other still reads: both land exactly."""
+    gpu = SimCuda(max_lag=0.05)
+    layer = CudaDevice(torch.device("cpu"), gpu)
+    layer.stage_bytes = 256
+    host_copy = gpu.host_copy
+
+    def slow_host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        time.sleep(0.0005)  # a host copy takes page faults: the other thread runs meanwhile
+        host_copy(dst, src)
+
+    gpu.host_copy = slow_host_copy  # type: ignore[method-assign]
+    jobs = []
+    for seed in range(2):
+        dst = layer.alloc(4096, "device")
+        src = torch.randint(0, 255, (4096,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(seed))
+        jobs.append((dst, src))
+    errors: list[BaseException] = []
+
+    def run(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        try:
+            layer._staged([pair])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for dst, src in jobs:
+        assert torch.equal(dst, src)
+    layer.close()
+
+
+# -- layerwise: what compute waits for, and who may run a forward -----------------------
+
+async def test_a_prefetch_nobody_uses_is_dropped_without_compute_waiting_for_it() -> None:
+    """A forward outside use() ends by dropping the prefetch it started for a next pass:
+    the compute stream waits for the copies of the layers that ran, one each, never for it."""
+    gpu = SimCuda()
+    ctl, model, reference, strategy = await serve_layerwise(CudaDevice(torch.device("cpu"), gpu),
+                                                            layerwise(1.0, 0.0))
+    x = torch.randn(2, DIM)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert strategy.fetched == len(model.blocks) + 1  # the last one: the next pass's first
+    assert gpu.compute_waits == len(model.blocks)
+    await ctl.aclose()
+
+
+async def test_a_layerwise_forward_outside_use_during_an_update_is_refused() -> None:
+    """While an update writes the host stores a layerwise component streams from, its forward
+    outside use() is refused (it would race with the write); after the update it serves the
+    new weights."""
+    layer = FaultyDevice(copy_delay=0.02)
+    torch.manual_seed(0)
+    model = Net(4)
+    expected = copy.deepcopy(model)
+    for block in expected.blocks:
+        assert isinstance(block, Block)
+        block.fc1.bias.data.fill_(0.5)
+    ctl = LifecycleController(device_layer=layer, residency=layerwise(1.0, 0.0))
+    await ctl.attach({"net": model})
+    new = {f"blocks.{i}.fc1.bias": torch.full((2 * DIM,), 0.5) for i in range(4)}
+    x = torch.randn(2, DIM)
+    refused: list[BaseException] = []
+
+    async def update() -> None:
+        result = await ctl.update_weights_from_tensors(new, "net")
+        assert result.success, result.message
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(update)
+        while ctl.phase is not Phase.UPDATING_WEIGHTS:
+            await anyio.sleep(0.001)
+
+        def forward() -> None:
+            try:
+                with torch.no_grad():
+                    model(x)
+            except ComponentBusy as exc:
+                refused.append(exc)
+
+        await anyio.to_thread.run_sync(forward)
+    assert len(refused) == 1 and "'net'" in str(refused[0])
+    with torch.no_grad():
+        async with ctl.use("net"):
+            assert torch.equal(model(x), expected(x))
+    await ctl.aclose()
+
+
+async def test_forwards_on_a_user_stream_or_under_capture_are_refused_at_any_submodule() -> None:
+    """Inside a component-offload use(), a submodule called directly on a user stream is
+    refused (not only the component's root), and so is a forward while the layer's device
+    captures a graph."""
+    layer = sim_cuda_layer()
+    gpu = layer.runtime
+    assert isinstance(gpu, SimCuda)
+    module = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    ctl = LifecycleController(device_layer=layer, residency="net=component-offload")
+    await ctl.attach({"net": module})
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        async with ctl.use("net"):
+            with gpu.use_stream(gpu.new_stream()):
+                with pytest.raises(UnsupportedCompute, match="non-default CUDA stream"):
+                    module[2](x)
+                with pytest.raises(UnsupportedCompute, match="non-default CUDA stream"):
+                    module(x)
+            with gpu.capture(), pytest.raises(UnsupportedCompute, match="graph capture"):
+                module(x)
+            module(x)
+    await ctl.aclose()
+
+
+def test_copy_streams_are_the_layers_own_at_the_lowest_priority() -> None:
+    """The two copy streams are made for the layer (never the default stream, never one of a
+    shared pool) and run at the lowest priority."""
+    layer = sim_cuda_layer()
+    streams = list(layer.streams.values())
+    assert len({id(s) for s in streams}) == 2
+    assert all(getattr(s, "own", False) and getattr(s, "priority", None) == 0 for s in streams)
+    assert all(s is not layer.runtime.default_stream() for s in streams)
+
+
+def test_mirrors_are_private_to_the_process_and_ask_for_huge_pages() -> None:
+    """A pinned mirror is a private mapping: a forked child writing it leaves the parent's
+    bytes alone; a large one is advised for transparent huge pages where the system has them."""
+    layer = sim_cuda_layer()
+    mirror = layer.alloc(4 * 2**20, "host")
+    mirror.fill_(1)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child (no torch kernel: its thread pool is gone)
+        ctypes.memset(mirror.data_ptr(), 2, mirror.numel())
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert int(mirror[0]) == 1 and int(mirror[-1]) == 1
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if hasattr(mmap, "MADV_HUGEPAGE") and thp.exists() and "[never]" not in thp.read_text():
+        start = mirror.data_ptr()
+        flags = _vm_flags(start)
+        assert "hg" in flags.split(), flags
+    del mirror
+    layer.close()
+
+
+def _vm_flags(address: int) -> str:
+    """The VmFlags line of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.removeprefix("VmFlags:")
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+# -- the background refresh thread --------------------------------------------------------
+
+async def test_each_layer_refreshes_in_a_thread_of_its_own_that_close_stops() -> None:
+    """Two controllers refresh their mirrors after updates in two different threads, and once
+    both are closed no refresh thread is left."""
+    def refresh_threads() -> set[int]:
+        return {t.ident or 0 for t in threading.enumerate() if t.name.startswith("residency-refresh")}
+
+    seen: list[set[int]] = []
+    before = refresh_threads()
+    ctls = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        module = nn.Sequential(nn.Linear(8, 8))
+        ctl = LifecycleController(device_layer=FaultyDevice())
+        await ctl.attach({"net": module})
+        await ctl.sleep()
+        await ctl.wake()  # mirrors exist: an update leaves them to refresh
+        result = await ctl.update_weights_from_tensors({"0.weight": torch.zeros(8, 8)}, "net")
+        assert result.success
+        ctls.append(ctl)
+        seen.append(refresh_threads() - before)
+    assert len(seen[0]) == 1 and len(seen[1] - seen[0]) == 1
+    for ctl in ctls:
+        await ctl.aclose()
+    assert refresh_threads() - before == set()

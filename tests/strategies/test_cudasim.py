@@ -1,0 +1,261 @@
+"""The simulated GPU itself (strategies._cudasim): what it models, and what it reports."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from strategies.testing import POISON, CudaSimViolation, SimCuda, check_cuda_sim
+
+MiB = 2**20
+
+
+def host(n: int, value: int = 7) -> torch.Tensor:
+    return torch.full((n,), value, dtype=torch.uint8)
+
+
+def test_a_copy_lands_late_holding_poison_until_then_and_a_host_wait_lands_it() -> None:
+    """A queued copy's destination holds poison until the copy lands; an event recorded after
+    it is not complete at once (the lag), and synchronizing on it lands the bytes."""
+    gpu = SimCuda(max_lag=10.0)
+    stream = gpu.new_stream()
+    dst = gpu.empty(64)
+    with gpu.use_stream(stream):
+        gpu.copy(dst, host(64))
+    assert bool((dst == POISON).all())
+    event = gpu.event()
+    event.record(stream)
+    assert not event.query()
+    with gpu.use_device():
+        event.synchronize()
+    assert event.query()
+    assert bool((dst == 7).all())
+
+
+def test_work_on_one_stream_lands_in_order_and_after_what_it_waits_for() -> None:
+    """A stream waiting on another's event lands its copy only after that one, and items of
+    one stream land in queue order whatever their lags."""
+    gpu = SimCuda(max_lag=10.0)
+    first, second = gpu.new_stream(), gpu.new_stream()
+    a, b = gpu.empty(16), gpu.empty(16)
+    with gpu.use_stream(first):
+        gpu.copy(a, host(16, 1))
+    event = gpu.event()
+    event.record(first)
+    second.wait_event(event)
+    with gpu.use_stream(second):
+        gpu.copy(b, a)  # ordered after the copy into a: lands its bytes, not poison
+    done = gpu.event()
+    done.record(second)
+    with gpu.use_device():
+        done.synchronize()
+    assert bool((b == 1).all()) and event.query()
+
+
+def test_a_kernel_reading_a_buffer_before_its_copy_landed_is_refused_naming_its_owner() -> None:
+    """A module forward whose weight a copy still writes, not ordered after it, raises at once
+    naming the buffer's owner; once the compute stream waited for the copy's event it runs."""
+    gpu = SimCuda(max_lag=10.0)
+    copier = gpu.new_stream()
+    lin = nn.Linear(4, 4, bias=False)
+    buf = gpu.empty(64)
+    gpu.label(buf, "component 'transformer' unit 'blocks.0'")
+    with gpu.use_stream(copier):
+        gpu.copy(buf, lin.weight.detach().reshape(-1).view(torch.uint8).clone())
+    event = gpu.event()
+    event.record(copier)
+    with torch.no_grad():
+        lin.weight.data = buf.view(torch.float32).view(4, 4)
+        with pytest.raises(CudaSimViolation, match=r"blocks\.0.*before"):
+            lin(torch.ones(1, 4))
+        gpu.default_stream().wait_event(event)
+        out = lin(torch.ones(1, 4))
+    assert torch.isfinite(out).all()
+    assert len(check_cuda_sim()) == 1  # the one raised (a test fails for those it swallowed)
+
+
+def test_the_compute_stream_lags_the_host() -> None:
+    """A forward's kernels are queued on the compute stream and complete later, as on a GPU
+    where Python runs ahead: the stream is not idle right after the forward returns."""
+    gpu = SimCuda(max_lag=10.0)
+    lin = nn.Linear(4, 4)
+    for p in lin.parameters():
+        gpu.adopt(p)
+    with torch.no_grad():
+        lin(torch.ones(1, 4))
+    assert not gpu.default_stream().query()
+    with gpu.use_device():
+        gpu.default_stream().synchronize()
+    assert gpu.default_stream().query()
+
+
+def test_a_block_is_reused_only_by_its_own_stream() -> None:
+    """A freed block goes back to the pool of the stream it was allocated on: an allocation on
+    that stream gets it again, one on another stream never does."""
+    gpu = SimCuda()
+    other = gpu.new_stream()
+    a = gpu.empty(4096)
+    address = a.data_ptr()
+    del a
+    with gpu.use_stream(other):
+        b = gpu.empty(4096)
+    assert b.data_ptr() != address
+    c = gpu.empty(4096)
+    assert c.data_ptr() == address
+
+
+def test_a_block_recorded_on_a_busy_stream_returns_to_the_pool_once_it_passed_the_free() -> None:
+    """Freed while a stream that recorded a use has work queued, a block is not reusable
+    (active, not allocated) until that stream passes the point of the free."""
+    gpu = SimCuda(max_lag=10.0)
+    copier = gpu.new_stream()
+    a = gpu.empty(4096)
+    address = a.data_ptr()
+    with gpu.use_stream(copier):
+        gpu.copy(a, host(4096))
+    gpu.record_stream(a, copier)
+    del a
+    stats = gpu.memory()
+    assert (stats.allocated, stats.active) == (0, 4096)
+    b = gpu.empty(4096)
+    assert b.data_ptr() != address
+    with gpu.use_device():
+        copier.synchronize()
+    c = gpu.empty(4096)
+    assert c.data_ptr() == address
+    assert gpu.memory().active == gpu.memory().allocated == 8192
+    del b, c
+
+
+def test_a_device_buffer_freed_under_a_copy_on_another_stream_is_reported() -> None:
+    """A device buffer freed while another stream's copy still writes it, with no
+    record_stream and no wait, is recorded (its block could be reused before the copy ran)."""
+    gpu = SimCuda(max_lag=10.0)
+    copier = gpu.new_stream()
+    a = gpu.empty(4096)
+    gpu.label(a, "component 'vae' unit 'decoder'")
+    with gpu.use_stream(copier):
+        gpu.copy(a, host(4096))
+    del a
+    problems = check_cuda_sim()
+    assert len(problems) == 1 and "'vae' unit 'decoder'" in problems[0] and "freed" in problems[0]
+
+
+def test_memory_counters_peaks_empty_cache_and_free_memory_follow_the_allocator() -> None:
+    """Allocations come from 2 MiB segments (small) or larger ones; reserved stays after a
+    free until empty_cache gives the unused segments back; mem_get_info counts reserved bytes
+    as taken; the peaks reset to the current values."""
+    gpu = SimCuda(capacity=64 * MiB)
+    small = gpu.empty(1000)
+    big = gpu.empty(3 * MiB)
+    stats = gpu.memory()
+    assert stats.allocated == 1024 + 3 * MiB
+    assert stats.reserved == 2 * MiB + 20 * MiB
+    assert gpu.mem_get_info() == (64 * MiB - stats.reserved, 64 * MiB)
+    del big
+    assert gpu.memory().allocated == 1024 and gpu.memory().reserved == 22 * MiB
+    gpu.empty_cache()
+    assert gpu.memory().reserved == 2 * MiB
+    assert gpu.memory().peak_reserved == 22 * MiB
+    gpu.reset_peak()
+    assert (gpu.memory().peak_allocated, gpu.memory().peak_reserved) == (1024, 2 * MiB)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        gpu.empty(128 * MiB)
+    del small
+
+
+def test_a_freed_block_holds_poison() -> None:
+    """What a freed block held is gone: a new allocation that reuses it reads poison."""
+    gpu = SimCuda()
+    a = gpu.empty(512)
+    a.fill_(3)
+    del a
+    b = gpu.empty(512)
+    assert bool((b == POISON).all())
+
+
+def test_the_host_writing_a_buffer_a_copy_still_reads_is_refused() -> None:
+    """A host copy into a buffer that a queued copy (not waited for) reads raises at once."""
+    gpu = SimCuda(max_lag=10.0)
+    copier = gpu.new_stream()
+    mirror = host(256)
+    with gpu.use_device():
+        gpu.host_register(mirror.data_ptr(), 256)  # (a pageable source is read at once)
+    gpu.label(mirror, "component 'transformer' unit 'blocks.3'")
+    dst = gpu.empty(256)
+    with gpu.use_stream(copier):
+        gpu.copy(dst, mirror)
+    with pytest.raises(CudaSimViolation, match=r"blocks\.3.*still reads"):
+        gpu.host_copy(mirror, host(256, 9))
+    with gpu.use_device():
+        copier.synchronize()
+    gpu.host_copy(mirror, host(256, 9))  # waited for: fine
+    assert len(check_cuda_sim()) == 1
+    with gpu.use_device():
+        gpu.host_unregister(mirror.data_ptr())
+
+
+def test_pinned_registration_is_bounded_and_seen_by_is_pinned() -> None:
+    """Registered host ranges are pinned; past the locked-memory limit registration fails
+    with cudaErrorMemoryAllocation; unregistering an unknown range is an error code too."""
+    gpu = SimCuda(locked_limit=8192)
+    buf = host(8192)
+    with gpu.use_device():
+        assert gpu.host_register(buf.data_ptr(), 4096) == 0
+        assert gpu.is_pinned(buf[:10]) and not gpu.is_pinned(buf[4096:])
+        assert gpu.host_register(buf.data_ptr() + 4096, 8192) == 2
+        assert gpu.host_unregister(buf.data_ptr()) == 0
+        assert gpu.host_unregister(buf.data_ptr()) == 1
+    assert not gpu.is_pinned(buf)
+
+
+def test_calls_made_with_another_device_current_are_reported() -> None:
+    """Registering pinned memory or waiting on an event from a thread whose current device is
+    not the simulated one (cuda:1) would create a context on that device: recorded."""
+    gpu = SimCuda(index=1)
+    buf = host(4096)
+    errors: list[int] = []
+    thread = threading.Thread(target=lambda: errors.append(gpu.host_register(buf.data_ptr(), 4096)))
+    thread.start()
+    thread.join()
+    problems = check_cuda_sim()
+    assert errors == [0]
+    assert len(problems) == 1 and "cudaHostRegister" in problems[0] and "cuda:0" in problems[0]
+    with gpu.use_device():
+        gpu.host_unregister(buf.data_ptr())
+
+
+@pytest.mark.anyio
+async def test_a_synchronizing_call_on_the_event_loop_is_reported() -> None:
+    """empty_cache run on the event loop's thread (it synchronizes the device: the loop would
+    stop serving) is recorded; in a worker thread it is not."""
+    import anyio.to_thread
+
+    gpu = SimCuda()
+    await anyio.to_thread.run_sync(gpu.empty_cache)
+    assert check_cuda_sim() == []
+    with pytest.raises(CudaSimViolation, match="event loop"):
+        gpu.empty_cache()
+    assert len(check_cuda_sim()) == 1
+
+
+def test_a_copy_nobody_waited_for_is_reported_at_the_check_and_then_forgotten() -> None:
+    """check_cuda_sim names a copy neither the host nor another stream ever waited for (a
+    forgotten wait), lands it, and the next check is clean; a discarded one is not named."""
+    gpu = SimCuda(max_lag=10.0)
+    copier = gpu.new_stream()
+    dst = gpu.empty(64)
+    with gpu.use_stream(copier):
+        gpu.copy(dst, host(64))
+    problems = check_cuda_sim()
+    assert len(problems) == 1 and "never waited for" in problems[0]
+    assert check_cuda_sim() == []
+    with gpu.use_stream(copier):
+        gpu.copy(dst, host(64))
+    event = gpu.event()
+    event.record(copier)
+    gpu.discard(event)
+    assert check_cuda_sim() == []
