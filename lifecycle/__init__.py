@@ -17,6 +17,7 @@ from ._errors import (
     TransitionFailed,
     TransitionRejected,
     UnknownComponent,
+    WeightsDiscarded,
     WeightSyncError,
     WeightSyncGroupBroken,
     WeightSyncGroupMissing,
@@ -74,6 +75,7 @@ __all__ = [
     "WeightUpdateGroupResult",
     "WeightUpdateGroupState",
     "WeightUpdateWhileSleeping",
+    "WeightsDiscarded",
     "configure_logging",
     "mermaid",
 ]

@@ -33,6 +33,7 @@ from strategies import (
     ComponentResidencyError,
     ComputeGuard,
     DeviceLayer,
+    DiscardMove,
     Move,
     PreparedMove,
     ResidencyConfig,
@@ -41,6 +42,7 @@ from strategies import (
     Shape,
     StoreError,
     TensorStore,
+    UndiscardMove,
     Unit,
     build_strategy,
     disable_layerwise_offload,
@@ -58,6 +60,7 @@ from . import _events as events
 from ._admission import Admission
 from ._checkpoint import gbps
 from ._checksum import ChecksumAlgorithm, check_expected, check_hashes, component_checksum
+from ._discard import Discard, prepare_sleep, prepare_wake, refuse_stale, resolve_discard, stale_counts
 from ._errors import (
     NOT_INITIALIZED,
     ComponentAsleep,
@@ -124,7 +127,9 @@ class _Direction:
     prepared, which bytes a progress bar counts, and what happens around the move."""
 
     select: Callable[[ResidencyStrategy], list[Unit]]
-    prepare: Callable[[TensorStore, list[Unit], Callable[[int], None]], Awaitable[Move]]
+    # (component, its selected units, progress, the components a sleep discards)
+    prepare: Callable[[Component, list[Unit], Callable[[int], None], frozenset[str]],
+                      Awaitable[Move | DiscardMove | UndiscardMove]]
     counts: Callable[[Unit], bool]  # bytes that will really be copied
     resync: bool  # take inventory again first (tensors replaced behind our back)
     empty_cache: bool  # give the freed blocks back to the driver after
@@ -133,11 +138,11 @@ class _Direction:
 _DIRECTIONS: dict[str, _Direction] = {
     "sleep": _Direction(
         select=lambda s: s.store.select("device"),
-        prepare=lambda store, units, progress: store.prepare_to_host(units, progress=progress),
+        prepare=prepare_sleep,
         counts=lambda u: u.dirty(), resync=True, empty_cache=True),
     "wake": _Direction(
         select=lambda s: [u for u in s.awake_units() if u.where == "host"],
-        prepare=lambda store, units, progress: store.prepare_to_device(units, progress=progress),
+        prepare=lambda c, units, progress, _: prepare_wake(c, units, progress),
         counts=lambda u: True, resync=False, empty_cache=False),
 }
 
@@ -178,7 +183,7 @@ class LifecycleController:
                  collective_timeout: float = 30.0,
                  device_budget: int | float | str | None = None,
                  activation_reserve: int | None = None,
-                 prefetch_headroom: int = 2**30) -> None:
+                 prefetch_headroom: int = 2**30, discard_on_release: Discard = None) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
         # With a process group every transition is collective (see lifecycle._group).
         self._group = None if process_group is None else RankGroup(process_group,
@@ -200,6 +205,9 @@ class LifecycleController:
                              "plan()); got residency=" + repr(residency))
         self.device_budget = device_budget
         self.activation_reserve = activation_reserve
+        # What every release_memory_occupation() discards unless told otherwise (the
+        # reference's clients send an empty body): see lifecycle._discard.
+        self.discard_on_release: Discard = discard_on_release
         self.config = ResidencyConfig() if self._auto else ResidencyConfig.parse(residency)
         self.last_plan: ResidencyPlan | None = None  # the plan attach applied (auto)
         self._measurements: Measurements | None = None
@@ -332,6 +340,12 @@ class LifecycleController:
         return self._admission.in_flight
 
     @property
+    def stale(self) -> Mapping[str, int]:
+        """Stale components: their weights were discarded by a sleep and updates have not
+        written all of them since (how many tensors are left). They serve nothing."""
+        return MappingProxyType(stale_counts(self._uses.components.values()))
+
+    @property
     def components(self) -> Mapping[str, nn.Module]:
         return MappingProxyType({n: c.module for n, c in self._uses.components.items()})
 
@@ -345,7 +359,7 @@ class LifecycleController:
             r = c.strategy.store.report()
             comps[name] = ComponentPlacement(c.strategy.mode.value, r.device_bytes, r.host_bytes,
                                              r.pinned_bytes, c.strategy.store.nbytes,
-                                             self._lora.nbytes(name))
+                                             self._lora.nbytes(name), c.strategy.store.stale_count)
         reserved = self._layer.reserved()
         return PlacementReport(self.phase, MappingProxyType(comps), self._layer.memory_allocated(),
                                self.rank, self.world_size, self._layer.peak_bytes,
@@ -457,12 +471,17 @@ class LifecycleController:
                 self._mirror_stale(move.store.name, stale)
         return sum(m.bytes_copied for m in moves)
 
-    async def _land_refreshes(self) -> None:
+    async def _land_refreshes(self, discard: frozenset[str] = frozenset()) -> None:
         """Wait for every mirror refresh still running after a weight update (only what
         is in flight: a landed one costs a look-up); report those that failed (their
-        tensors stay stale, so the next sleep copies them)."""
+        tensors stay stale, so the next sleep copies them). The refreshes of components a
+        sleep discards are cancelled instead (what they copy is dropped)."""
         for c in self._uses.components.values():
-            stale = await c.strategy.store.land_refresh()
+            store = c.strategy.store
+            if c.name in discard or store.stale_count:
+                await store.cancel_refresh()
+                continue
+            stale = await store.land_refresh()
             if stale is not None:
                 self._mirror_stale(c.name, stale)
 
@@ -481,6 +500,8 @@ class LifecycleController:
         strategy = self._uses.components[name].strategy
         if phase is not Phase.UNINITIALIZED and not strategy.ready():
             raise ComponentNotPlaced(name, strategy.mode.value)
+        if strategy.store.stale_count:
+            refuse_stale([self._uses.components[name]])
         # Uses are drained before either is set: a forward now runs outside use(), and a
         # streaming one would fetch from (or evict into) host stores the move or the update
         # is copying or writing.
@@ -603,6 +624,10 @@ class LifecycleController:
                         moves.append(await store.prepare_to_host(store.select("device")))
 
             with events.bound(transition="detach", transition_id=next(_ids)):
+                stale = stale_counts(self._uses.components.values())
+                if stale:
+                    _log.warning(events.DETACH_STALE, components=stale, rank=self.rank,
+                                 controller=self.id)
                 async with self._gate("detach"):
                     copied = await self._transact("detach", prepare)
                 for c in self._uses.components.values():
@@ -822,6 +847,11 @@ class LifecycleController:
                         f"Component {name!r} is FSDP-managed: FSDP owns its placement, so its "
                         f"residency stays {c.strategy.mode.value}")
                 wanted[name] = shape
+        emptied = [n for n in wanted if components[n].strategy.store.discarded is not None]
+        if emptied:
+            raise TransitionRejected("set_residency", self.phase, f"components {emptied} were "
+                                     "discarded by the sleep: wake first (their residency can "
+                                     "change once they have places again)")
         t0 = time.perf_counter()
         changed = {n: (components[n].strategy.mode.value, s.mode.value) for n, s in wanted.items()}
         source = self.phase
@@ -869,25 +899,30 @@ class LifecycleController:
         return move
 
     # -- sleep / wake ------------------------------------------------------------------
-    async def sleep(self) -> OccupationResult:
+    async def sleep(self, discard: Discard = False) -> OccupationResult:
         """Release every device byte of every component; host mirrors keep the weights.
 
-        Unchanged weights are not copied (their mirror is current). All-or-nothing."""
-        return self._stamped(await self._occupation("sleep"))
+        Unchanged weights are not copied (their mirror is current). All-or-nothing.
+        ``discard`` (``True``, ``"all"`` or component names): those components' parameters and
+        persistent buffers are dropped instead, with no host copy; after the wake they hold
+        undefined values and serve nothing until updates write them (see lifecycle._discard).
+        A stale component's stale tensors are dropped again whatever ``discard`` says."""
+        return self._stamped(await self._occupation("sleep", discard))
 
     async def wake(self) -> OccupationResult:
         """Restore every component's awake placement, bit-identically. All-or-nothing."""
         return self._stamped(await self._occupation("wake"))
 
-    async def release_memory_occupation(self) -> OccupationResult:
-        """The reference system's name for :meth:`sleep`."""
-        return await self.sleep()
+    async def release_memory_occupation(self, discard: Discard = None) -> OccupationResult:
+        """The reference system's name for :meth:`sleep`; ``discard`` defaults to the
+        controller's ``discard_on_release``."""
+        return await self.sleep(self.discard_on_release if discard is None else discard)
 
     async def resume_memory_occupation(self) -> OccupationResult:
         """The reference system's name for :meth:`wake`."""
         return await self.wake()
 
-    async def _occupation(self, trigger: str) -> OccupationResult:
+    async def _occupation(self, trigger: str, discard: Discard = None) -> OccupationResult:
         async with self._lock, self._collective(trigger):
             refusal = self._refusal(trigger)
             if refusal:
@@ -897,9 +932,10 @@ class LifecycleController:
                           rank=self.rank, controller=self.id)
                 return OccupationResult(how is Refusal.NOOP, self.phase is Phase.SLEEPING,
                                         message, self.phase)
+            dropped = resolve_discard(discard, self._uses.components)
             with events.bound(transition=trigger, transition_id=next(_ids)):
                 async with self._gate(trigger):
-                    return await self._move_all(trigger)
+                    return await self._move_all(trigger, dropped)
 
     async def _release_cache(self) -> None:
         """Give the allocator's cached blocks back to the driver, after a committed move (in a
@@ -921,13 +957,15 @@ class LifecycleController:
                 await anyio.to_thread.run_sync(self._layer.synchronize, limiter=self._threads)
             yield
 
-    async def _move_all(self, trigger: str) -> OccupationResult:
+    async def _move_all(self, trigger: str, discard: frozenset[str] = frozenset()
+                        ) -> OccupationResult:
         way = _DIRECTIONS[trigger]
         source = self.phase
+        discarded: list[str] = []
         t0 = time.perf_counter()
         # A sleep right after a weight update waits for the mirror refresh still in flight
         # (then copies only what it left stale), before counting what is dirty.
-        await self._land_refreshes()
+        await self._land_refreshes(discard)
         before = self._device_bytes()
         if way.resync:
             self._resync_structure(trigger)
@@ -945,8 +983,10 @@ class LifecycleController:
         async def prepare(moves: list[PreparedMove]) -> None:
             for c, units in plan:
                 m0 = time.perf_counter()
-                move = await way.prepare(c.strategy.store, units, progress)
+                move = await way.prepare(c, units, progress, discard)
                 moves.append(move)
+                if isinstance(move, DiscardMove):
+                    discarded.append(c.name)
                 self._move_event(c.name, move, time.perf_counter() - m0)
 
         self._transition = trigger
@@ -960,8 +1000,10 @@ class LifecycleController:
         seconds = time.perf_counter() - t0
         after = self._device_bytes()
         self._summary(trigger, source, copied, seconds, released=max(0, before - after))
-        return OccupationResult(True, self.phase is Phase.SLEEPING, f"{trigger} succeeded",
-                                self.phase, copied, max(0, before - after), seconds)
+        message = f"{trigger} succeeded" + (f" (discarded {discarded}: no host copy; update "
+                                            "their weights after the wake)" if discarded else "")
+        return OccupationResult(True, self.phase is Phase.SLEEPING, message, self.phase, copied,
+                                max(0, before - after), seconds, discarded=tuple(discarded))
 
     def _resync_structure(self, trigger: str) -> None:
         """Re-inventory components whose tensors were replaced behind our back; where that
@@ -977,7 +1019,8 @@ class LifecycleController:
                     raise TransitionRejected(trigger, self.phase, str(exc)) from exc
 
     # -- events ------------------------------------------------------------------------
-    def _move_event(self, component: str, move: Move, seconds: float) -> None:
+    def _move_event(self, component: str, move: Move | DiscardMove | UndiscardMove,
+                    seconds: float) -> None:
         if not events.wanted(_log, logging.DEBUG):
             return
         _log.debug(events.MOVE_PREPARED, component=component, to=move.to, units=len(move.units),
@@ -1013,6 +1056,7 @@ class LifecycleController:
         parameters sorted by name, each name then bytes: what trainers compare after a sync);
         ``"full"``: every tensor (buffers too) with dtype and shape (see lifecycle._checksum)."""
         names = list(self._uses.components) if components is None else list(components)
+        refuse_stale(self._component(n) for n in names)
         return {n: component_checksum(self._component(n).module, self._component(n).strategy.store,
                                       algorithm) for n in names}
 
@@ -1130,8 +1174,17 @@ class LifecycleController:
             timeout=timeout, bucket_bytes=bucket_bytes))
 
     def _answer(self, result: UpdateResult) -> UpdateResult:
-        """An update's result, stamped with the rank and the weight version label."""
-        return dataclasses.replace(self._stamped(result), weight_version=self._label)
+        """An update's result, stamped with the rank, the weight version label and the
+        components still stale (with how many tensors, and a few names, in the message)."""
+        stale = stale_counts(self._uses.components.values())
+        if stale and result.success:
+            few = {n: self._component(n).strategy.store.stale_names()[:3] for n in stale}
+            result = dataclasses.replace(result, message=result.message + "; still stale (not "
+                                         "served until updated): " + ", ".join(
+                                             f"{n} ({k} tensor(s): {', '.join(few[n])}...)"
+                                             for n, k in stale.items()))
+        return dataclasses.replace(self._stamped(result), weight_version=self._label,
+                                   stale=MappingProxyType(stale))
 
     def _stamped(self, result: _R) -> _R:
         """``result`` saying which rank answered and how many ranks there are."""

@@ -20,6 +20,8 @@
         ├── ComponentNotPlaced          a forward outside use() on an offloaded component
         ├── ComponentBusy (+RuntimeError)  a forward outside use() of a layerwise component
         │                               while a transition moves or writes its weights
+        ├── WeightsDiscarded (+RuntimeError)  a stale component (weights discarded by a
+        │                               sleep, not updated since) asked to serve
         ├── AdmissionTimeout            use() waited too long for a transition
         ├── InvalidRequest (+ValueError)  a call's arguments are malformed, whatever the
         │                               pipeline holds (a LoRA scale, a tensor list, a port)
@@ -37,7 +39,7 @@ Configuration mistakes found while parsing (``ResidencyConfig``) are plain ``Val
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -73,6 +75,7 @@ __all__ = [
     "WeightSyncGroupBroken",
     "WeightSyncGroupMissing",
     "WeightUpdateWhileSleeping",
+    "WeightsDiscarded",
     "failures_roll_back",
     "forget_locals",
 ]
@@ -187,6 +190,20 @@ class ComponentBusy(LifecycleError, RuntimeError):
                          "which waits for the transition")
         self.component = component
         self.transition = transition
+
+
+class WeightsDiscarded(LifecycleError, RuntimeError):
+    """A stale component (its weights discarded by a sleep, not all written since) was asked
+    to serve: a forward, ``use()``, a request, a checksum."""
+
+    def __init__(self, stale: Mapping[str, Sequence[str]]) -> None:
+        parts = []
+        for name, tensors in stale.items():
+            few = ", ".join(tensors[:3]) + (", ..." if len(tensors) > 3 else "")
+            parts.append(f"{name!r} ({len(tensors)} tensor(s): {few})")
+        super().__init__(f"Modules {sorted(stale)} have discarded weights after resume: "
+                         f"{'; '.join(parts)} not updated since. Update weights first.")
+        self.components = {name: len(tensors) for name, tensors in stale.items()}
 
 
 class AdmissionTimeout(LifecycleError, TimeoutError):

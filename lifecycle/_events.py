@@ -53,6 +53,7 @@ UPDATE_SKIPPED_COMPONENTS = "update.skipped_components"
 UPDATE_MIRROR_STALE = "update.mirror_stale"
 PLAN_APPLIED = "plan.applied"
 PLAN_ROLLED_BACK = "plan.rolled_back"
+DETACH_STALE = "detach.stale"  # detached with discarded tensors not updated: undefined values
 WEIGHT_SYNC_JOINED = "weight_sync.joined"
 WEIGHT_SYNC_DESTROYED = "weight_sync.destroyed"
 WEIGHT_SYNC_BROKEN = "weight_sync.broken"
@@ -64,9 +65,11 @@ EVENTS = frozenset({
     STORE_RESCAN, USE_RELEASE_FAILED, PREFETCH_FAILED, UPDATE_CAST,
     UPDATE_SKIPPED_COMPONENTS, UPDATE_MIRROR_STALE, PLAN_APPLIED, PLAN_ROLLED_BACK,
     WEIGHT_SYNC_JOINED, WEIGHT_SYNC_DESTROYED, WEIGHT_SYNC_BROKEN, WEIGHT_SYNC_DRAINED,
+    DETACH_STALE,
 })
 
 __all__ = [
+    "DETACH_STALE",
     "EVENTS",
     "MOVE_PREPARED",
     "PLAN_APPLIED",

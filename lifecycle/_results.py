@@ -27,6 +27,8 @@ class OccupationResult:
     seconds: float = 0.0
     rank: int = 0
     world_size: int = 1
+    # The components whose weights a discarding sleep dropped (no host copy; stale at wake).
+    discarded: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -37,7 +39,8 @@ class OccupationResult:
         return {"success": self.success, "sleeping": self.sleeping, "message": self.message,
                 "phase": self.phase.value, "bytes_moved": self.bytes_moved,
                 "bytes_released": self.bytes_released, "seconds": self.seconds,
-                "rank": self.rank, "world_size": self.world_size}
+                "rank": self.rank, "world_size": self.world_size,
+                "discarded": list(self.discarded)}
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class UpdateResult:
     # The weight version label after the call (the trainer's ``weight_version`` of the last
     # successful update that gave one; unchanged by a failed update).
     weight_version: str | None = None
+    # Components still stale after the call (discarded tensors no update wrote yet): count.
+    stale: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def as_dict(self) -> dict[str, Any]:
         return {"success": self.success, "message": self.message, "version": self.version,
@@ -65,7 +70,7 @@ class UpdateResult:
                 "seconds": self.seconds, "rolled_back": self.rolled_back,
                 "failed_ranks": {str(r): why for r, why in self.failed_ranks.items()},
                 "rank": self.rank, "world_size": self.world_size,
-                "weight_version": self.weight_version}
+                "weight_version": self.weight_version, "stale": dict(self.stale)}
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,8 @@ class ComponentPlacement:
     total_bytes: int
     # Host bytes of the pristine base weights kept for LoRA merges (see lifecycle._lora).
     lora_base_bytes: int = 0
+    # Tensors discarded by a sleep and not written by an update since (see lifecycle._discard).
+    stale_tensors: int = 0
 
     @property
     def pageable_bytes(self) -> int:
@@ -122,6 +129,11 @@ class PlacementReport:
     @property
     def lora_base_bytes(self) -> int:
         return sum(c.lora_base_bytes for c in self.components.values())
+
+    @property
+    def stale(self) -> dict[str, int]:
+        """Stale components (their discarded tensors not updated yet): how many tensors."""
+        return {n: c.stale_tensors for n, c in self.components.items() if c.stale_tensors}
 
 
 @dataclass(frozen=True)

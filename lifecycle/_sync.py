@@ -47,6 +47,7 @@ from strategies import DeviceLayer, ResidencyStrategy
 
 from ._checksum import ChecksumAlgorithm
 from ._controller import LifecycleController
+from ._discard import Discard
 from ._phase import Phase
 from ._results import (
     OccupationResult,
@@ -266,6 +267,11 @@ class SyncLifecycleController:
         return self._ctl().weight_version_label
 
     @property
+    def stale(self) -> Mapping[str, int]:
+        """Stale components (discarded weights not updated yet) and how many tensors."""
+        return self._ctl().stale
+
+    @property
     def weight_update_groups(self) -> Mapping[str, WeightUpdateGroupState]:
         """This rank's weight update groups by name."""
         return self._ctl().weight_update_groups
@@ -305,17 +311,19 @@ class SyncLifecycleController:
         """Leave every weight on the host, remove hooks, forget the pipeline."""
         return self._run(self._controller.detach)
 
-    def sleep(self) -> OccupationResult:
-        """Release every device byte (all or nothing)."""
-        return self._run(self._controller.sleep)
+    def sleep(self, discard: Discard = False) -> OccupationResult:
+        """Release every device byte (all or nothing); ``discard``: see
+        :meth:`LifecycleController.sleep`."""
+        return self._run(lambda: self._controller.sleep(discard))
 
     def wake(self) -> OccupationResult:
         """Restore every component's awake placement (all or nothing)."""
         return self._run(self._controller.wake)
 
-    def release_memory_occupation(self) -> OccupationResult:
-        """The reference system's name for :meth:`sleep`."""
-        return self._run(self._controller.release_memory_occupation)
+    def release_memory_occupation(self, discard: Discard = None) -> OccupationResult:
+        """The reference system's name for :meth:`sleep` (``discard`` defaults to the
+        controller's ``discard_on_release``)."""
+        return self._run(lambda: self._controller.release_memory_occupation(discard))
 
     def resume_memory_occupation(self) -> OccupationResult:
         """The reference system's name for :meth:`wake`."""

@@ -23,6 +23,7 @@ from strategies import ComputeGuard, DeviceLayer, Move, ResidencyStrategy
 
 from . import _events as events
 from ._admission import Admission
+from ._discard import refuse_stale
 from ._errors import NOT_INITIALIZED, ComponentAsleep, TransitionRejected, failures_roll_back
 from ._events import get_logger
 from ._phase import Phase
@@ -127,6 +128,7 @@ class Uses:
     async def use(self, name: str) -> AsyncIterator[nn.Module]:
         await self._admit(name)
         c = self.component(name)
+        refuse_stale([c])  # discarded weights not updated yet serve nothing
         lease = self.admission.take(name)
         t0 = time.perf_counter()
         try:
@@ -215,6 +217,7 @@ class Uses:
         # waits for all of it (drains it), not just for the use in progress, so a generation
         # is never cut between two of its components.
         await self._admit(order[0] if order else "request")
+        refuse_stale(self.components[n] for n in dict.fromkeys(order))
         lease = self.admission.take(f"request {list(order)}")
         try:
             async with anyio.create_task_group() as tg:

@@ -20,6 +20,8 @@ Metrics (``residency_`` prefix):
 * ``residency_device_bytes{component}``, ``residency_host_bytes{component}``: from
   :meth:`~lifecycle.LifecycleController.report` at scrape time (components appear and
   disappear with attach and detach);
+* ``residency_stale_tensors{component}``: tensors a discarding sleep dropped that no update has
+  written since (the component serves nothing while it is above 0), at scrape time;
 * ``residency_in_flight``, ``residency_weights_version``: read at scrape time;
 * ``residency_weight_version_info{version}``: 1, labelled with the ``weight_version`` the
   trainer gave the weights served (:attr:`~lifecycle.LifecycleController.
@@ -96,20 +98,21 @@ class _StateCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         ctl = self._ctl
         families = self._families()
-        phase_gauge, device, host, in_flight, version, label = families
+        phase_gauge, device, host, stale, in_flight, version, label = families
         current = ctl.phase
         for phase in Phase:
             phase_gauge.add_metric([phase.value], 1.0 if phase is current else 0.0)
         for name, placement in self._components().items():
             device.add_metric([name], float(placement[0]))
             host.add_metric([name], float(placement[1]))
+            stale.add_metric([name], float(placement[2]))
         in_flight.add_metric([], float(ctl.in_flight))
         version.add_metric([], float(ctl.weights_version))
         if ctl.weight_version_label is not None:
             label.add_metric([ctl.weight_version_label], 1.0)
         return families
 
-    def _components(self) -> dict[str, tuple[int, int]]:
+    def _components(self) -> dict[str, tuple[int, int, int]]:
         # A scrape may run in another thread (start_http_server) while a transition moves
         # units: a report that raced a change is taken again.
         for _ in range(2):
@@ -117,8 +120,8 @@ class _StateCollector(Collector):
                 return self._report()
         return self._report()
 
-    def _report(self) -> dict[str, tuple[int, int]]:
-        return {name: (c.device_bytes, c.host_bytes)
+    def _report(self) -> dict[str, tuple[int, int, int]]:
+        return {name: (c.device_bytes, c.host_bytes, c.stale_tensors)
                 for name, c in self._ctl.report().components.items()}
 
     @staticmethod
@@ -129,6 +132,9 @@ class _StateCollector(Collector):
             GaugeMetricFamily("residency_device_bytes", "Bytes of the component on the device tier.",
                               labels=["component"]),
             GaugeMetricFamily("residency_host_bytes", "Bytes of the component held on the host.",
+                              labels=["component"]),
+            GaugeMetricFamily("residency_stale_tensors", "Tensors of the component discarded by "
+                              "a sleep and not updated since (it serves nothing above 0).",
                               labels=["component"]),
             GaugeMetricFamily("residency_in_flight", "Live leases: uses in progress and prefetches."),
             GaugeMetricFamily("residency_weights_version", "Successful weight updates so far."),

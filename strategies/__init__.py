@@ -18,6 +18,7 @@ from ._device import (
     UnsupportedCompute,
     resolve_device,
 )
+from ._discard import DiscardMove, UndiscardMove, prepare_discard, prepare_undiscard
 from ._errors import ResidencyError
 from ._factory import ComponentResidencyError, Shape, build_strategy, is_fsdp_managed
 from ._fileread import FileRegion, safetensors_regions
@@ -55,6 +56,7 @@ __all__ = [
     "CpuDevice",
     "CudaDevice",
     "DeviceLayer",
+    "DiscardMove",
     "FileRegion",
     "LayerwiseOffloadStrategy",
     "LayerwiseTuning",
@@ -72,6 +74,7 @@ __all__ = [
     "StoreError",
     "StoreReport",
     "TensorStore",
+    "UndiscardMove",
     "Unit",
     "UnsupportedCompute",
     "WriteMove",
@@ -87,8 +90,10 @@ __all__ = [
     "layerwise_blocks",
     "make_device_layer",
     "needs_restore",
+    "prepare_discard",
     "prepare_regroup",
     "prepare_restore",
+    "prepare_undiscard",
     "resolve_device",
     "safetensors_regions",
 ]

@@ -80,6 +80,11 @@ class DiscardMove:
     discarded: Discarded
     normal: Move | None = None  # the units with nothing dropped: an ordinary sleep
     bytes_copied: int = 0
+    to: Tier = "host"
+
+    @property
+    def units(self) -> list[Unit]:
+        return list(self.store.units)
 
     def commit(self) -> None:
         if self.normal is not None:
@@ -101,6 +106,7 @@ class DiscardMove:
             for slot in unit.slot_list:
                 if id(slot) in self.drop:
                     slot.stale = True
+        self.store.count_stale()
         self.store.discarded = d
         self.store.refresh_derived(d.units)
 
@@ -119,6 +125,8 @@ async def prepare_discard(store: TensorStore, everything: bool,
     of its parameters and persistent buffers; None when it drops nothing (an ordinary sleep
     then). Its background mirror refresh is cancelled first (what it would copy is dropped or
     copied now)."""
+    if not everything and not store.stale_count:  # (a clean sleep's path: no slot loop)
+        return None
     drop = {id(slot) for u in store.units for slot in u.slot_list
             if slot.stale or (everything and slot.state)}
     if not drop:
@@ -140,8 +148,10 @@ async def prepare_discard(store: TensorStore, everything: bool,
             size += (st.nbytes + ALIGN - 1) // ALIGN * ALIGN
         if kept:
             buffer = move.discarded.buffer = await _alloc(store, size, "host")
-            pairs = [(buffer[move.discarded.offsets[id(st)]:][:st.nbytes],
-                      store.source_of(st, "host")) for st in kept]
+            for st in kept:
+                source = store.source_of(st, "host")
+                assert source is not None  # (kept: on the device, or current on the host)
+                pairs.append((buffer[move.discarded.offsets[id(st)]:][:st.nbytes], source))
             await store.copy_pairs(pairs, "host", progress)
             move.bytes_copied += sum(st.nbytes for st in kept)
     except BaseException as exc:
@@ -162,6 +172,11 @@ class UndiscardMove:
     normal: Move | None = None  # the units that slept as usual and live on the device
     bytes_copied: int = 0
     _pending: int = 0
+    to: Tier = "device"
+
+    @property
+    def units(self) -> list[Unit]:
+        return list(self.store.units)
 
     def commit(self) -> None:
         if self.normal is not None:

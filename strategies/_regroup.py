@@ -158,8 +158,9 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
                 move._pending += p.unit.nbytes
                 old.add_pending(p.unit.nbytes)
             for st in p.unit.storages:
-                pairs[p.to].append((p.buf[st.offset:st.offset + st.nbytes],
-                                    old.source_of(old_of[id(st)], p.to)))
+                source = old.source_of(old_of[id(st)], p.to)
+                assert source is not None  # (set_residency refuses a store emptied by a sleep)
+                pairs[p.to].append((p.buf[st.offset:st.offset + st.nbytes], source))
         for to in ("host", "device"):
             if pairs[to]:
                 await new.copy_pairs(pairs[to], to, progress)
@@ -194,6 +195,7 @@ class RestoreMove:
             unit.where, unit.device_buf, unit.host = "host", None, None
             for slot in unit.slot_list:
                 slot.host_view = None
+        self.store.discarded = None
         self.store.refresh_derived(self.store.units)
 
     async def undo(self) -> None:
@@ -205,9 +207,9 @@ class RestoreMove:
 
 def needs_restore(store: TensorStore) -> bool:
     """Whether leaving ``store``'s tensors in its host mirrors would change the module's
-    storage layout (a unit of several storages, a region of a storage) or hand it pinned
-    memory."""
-    return store.layer.pinned or any(
+    storage layout (a unit of several storages, a region of a storage), hand it pinned
+    memory, or leave its discarded tensors on placeholders (a discarding sleep's)."""
+    return store.layer.pinned or store.discarded is not None or any(
         len(u.storages) > 1 or u.storages[0].base or u.storages[0].nbytes != u.storages[0].origin[1]
         for u in store.units)
 
@@ -223,8 +225,9 @@ async def prepare_restore(store: TensorStore, progress: Progress | None = None) 
         for (_, nbytes), storages in groups.items():
             buf = store.layer.alloc(nbytes, "host", pinned=False)
             move.buffers.append((storages, buf))
-            pairs += [(buf[st.base:st.base + st.nbytes], store.source_of(st, "host"))
-                      for st in storages]
+            # (A storage a discarding sleep dropped has no bytes: its tensors get undefined ones.)
+            pairs += [(buf[st.base:st.base + st.nbytes], source) for st in storages
+                      if (source := store.source_of(st, "host")) is not None]
         await store.copy_pairs(pairs, "host", progress)
         move.bytes_copied = sum(int(d.nbytes) for d, _ in pairs)
     except BaseException as exc:

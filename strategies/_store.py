@@ -40,7 +40,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ._chunks import chunked
 from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
 from ._errors import ResidencyError
-from ._write import WriteMove, WriteSource, land_refresh, prepare_write
+from ._write import WriteMove, WriteSource, cancel_refresh, land_refresh, prepare_write
 
 if TYPE_CHECKING:
     from ._discard import Discarded
@@ -417,6 +417,7 @@ class TensorStore:
         self.units: list[Unit] = []
         self.by_key: dict[str, Unit] = {}
         self._all_slots: list[_Slot] = []
+        self.stale_count = 0  # tensors whose contents are undefined (see count_stale)
         self._inventory()
         self._layout = None  # taken over: do not keep the other store (and its buffers) alive
 
@@ -515,6 +516,7 @@ class TensorStore:
         self._all_slots = [slot for u in self.units for slot in u.slot_list]
         for slot in self._all_slots:
             slot.stale = id(slot.tensor) in stale
+        self.count_stale()
         self._unit_of_storage = {id(st): u for u in self.units for st in u.storages}
         for u in self.units:
             on_device = all(s.tensor.device == self.layer.device for s in u.slot_list)
@@ -551,14 +553,13 @@ class TensorStore:
         """Every storage, in unit order."""
         return [st for u in self.units for st in u.storages]
 
-    def source_of(self, st: _Storage, to: Tier) -> torch.Tensor:
+    def source_of(self, st: _Storage, to: Tier) -> torch.Tensor | None:
         """Storage ``st``'s current bytes to copy to tier ``to``: the copy already on that
-        tier when there is one (no trip over the link), else the other."""
+        tier when there is one (no trip over the link), else the other; None for a storage a
+        discarding sleep dropped (its bytes are gone)."""
         _, on_device, on_host = self.locate(st)
         first, second = (on_device, on_host) if to == "device" else (on_host, on_device)
-        source = first if first is not None else second
-        assert source is not None
-        return source
+        return first if first is not None else second
 
     def locate(self, st: _Storage) -> tuple[Unit, torch.Tensor | None, torch.Tensor | None]:
         """Where storage ``st``'s bytes are now: its unit, a device view and a host view of
@@ -571,6 +572,9 @@ class TensorStore:
                       if unit.device_buf is not None else st.source_bytes())
         if unit.host is not None and (unit.where == "host" or not unit.dirty()):
             host = unit.host[st.offset:st.offset + st.nbytes]
+        elif self.discarded is not None and self.discarded.buffer is not None \
+                and (offset := self.discarded.offsets.get(id(st))) is not None:
+            host = self.discarded.buffer[offset:offset + st.nbytes]  # kept by a discarding sleep
         return unit, device, host
 
     def _inventory_derived(self, slots: dict[int, _Slot]) -> None:
@@ -779,6 +783,11 @@ class TensorStore:
         """Write new values into tensors, undoably: see :mod:`strategies._write`."""
         return await prepare_write(self, sources, limiter)
 
+    async def cancel_refresh(self) -> None:
+        """Stop the background mirror refresh of an update, if any (the chunk in flight
+        lands first): what it would copy is not wanted (see strategies._write)."""
+        await cancel_refresh(self)
+
     async def land_refresh(self) -> BaseException | None:
         """Wait for the background mirror refresh a weight update started (if any); returns
         the error that left mirrors stale (once; the next sleep copies them), else None."""
@@ -907,6 +916,12 @@ class TensorStore:
             hosts.append(self.discarded.nbytes)
         pinned = sum(self.layer.pinned_footprint(n) for n in hosts) if self.layer.pinned else 0
         return StoreReport(device, sum(hosts), pinned)
+
+    def count_stale(self) -> int:
+        """Count the stale tensors again (after a move marked or cleared some): kept in
+        :attr:`stale_count`, which forward checks read."""
+        self.stale_count = sum(1 for s in self._all_slots if s.stale)
+        return self.stale_count
 
     def stale_names(self) -> list[str]:
         """The tensors whose contents are undefined (discarded), under their first names."""

@@ -448,6 +448,8 @@ class WriteMove:
                     and _refreshable(m.slot, m.unit):
                 self.marks.append(_Mark.of(m.slot, m.unit, token))
         self.leftovers = []
+        if self.store.stale_count:
+            self.store.count_stale()
         self.store.refresh_derived(self.units)
 
     async def settle(self) -> BaseException | None:

@@ -28,7 +28,7 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
         "TransitionRejected", "UnsupportedCompute", "UpdateResult", "WeightUpdateWhileSleeping",
         "InvalidRequest", "UnknownComponent", "WeightSyncError", "WeightSyncGroupBroken",
         "WeightSyncGroupMissing", "TensorHashCheck", "WeightUpdateGroupResult",
-        "WeightUpdateGroupState",
+        "WeightUpdateGroupState", "WeightsDiscarded",
         "configure_logging",
         "mermaid"}
 
@@ -51,6 +51,7 @@ STRATEGIES_API = {
     "DeviceLayer", "CpuDevice", "CudaDevice", "CopyHandle", "make_device_layer", "resolve_device",
     "TensorStore", "Unit", "Move", "PreparedMove", "WriteMove", "WriteSource", "StoreReport",
     "FileRegion", "safetensors_regions",
+    "DiscardMove", "UndiscardMove", "prepare_discard", "prepare_undiscard",
     "ComputeGuard",
     "ResidencyError", "StoreError", "ComponentResidencyError", "UnsupportedCompute",
 }

@@ -121,6 +121,10 @@ def _bench(args: argparse.Namespace) -> int:
         from . import bench_residency
 
         return bench_residency.run(args)
+    if args.which == "discard":
+        from . import bench_discard
+
+        return bench_discard.run(args)
     # all: sleep/wake, then updates, with the same options
     first = bench.run(argparse.Namespace(**{**vars(args), "repeats": args.repeats or 5}))
     print()
@@ -187,7 +191,7 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
     from . import bench, bench_residency, bench_update
 
     base, pipeline = bench.base_options(), bench.pipeline_options()
-    which = b.add_subparsers(dest="which", metavar="{sleep-wake,update,residency,all}")
+    which = b.add_subparsers(dest="which", metavar="{sleep-wake,update,residency,discard,all}")
     which.add_parser("sleep-wake", parents=[base, pipeline], help="sleep/wake throughput",
                      description=bench.__doc__)
     update = which.add_parser("update", parents=[base, pipeline], help="weight updates",
@@ -196,6 +200,10 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
     residency = which.add_parser("residency", parents=[base], help="latency of each mode",
                                  description=bench_residency.__doc__)
     bench_residency.add_arguments(residency)
+    from . import bench_discard
+
+    which.add_parser("discard", parents=[base, pipeline], help="an RL cycle with discarding "
+                     "releases against keeping ones", description=bench_discard.__doc__)
     both = which.add_parser("all", parents=[base, pipeline], help="sleep-wake, then update")
     bench_update.add_arguments(both)
     both.set_defaults(repeats=None)

@@ -51,10 +51,10 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
     "attach": {},
     "detach": {},
     "generate": {"steps": (int, False), "seed": (int, False), "label": (str, False)},
-    "sleep": {},
+    "sleep": {"discard": ((bool, str, list), False)},
     "wake": {},
     "update": {"source": (str, False), "path": (str, False), "delta": (_NUM, False),
-               "components": (list, False)},
+               "components": (list, False), "from": (str, False), "fraction": (_NUM, False)},
     "fail_next": {"what": (str, True), "at": (int, False)},
     "cancel_after": {"ms": (_NUM, True)},
     "wait": {"ms": (_NUM, True)},
@@ -63,7 +63,7 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
     "expect": {"phase": (str, False), "success": (bool, False), "message": (str, False),
                "outputs_equal": (str, False), "outputs_differ": (str, False),
                "checksum_equal": (str, False), "checksum_differ": (str, False),
-               "device_bytes_zero": (bool, False)},
+               "device_bytes_zero": (bool, False), "stale": (bool, False)},
 }
 _CHOICES = {"fail_next.what": ("copy", "alloc"), "update.source": ("disk", "tensors"),
             "expect.phase": tuple(p.value for p in Phase)}
@@ -112,7 +112,8 @@ def _step(raw: Any, where: str) -> Step:
                 raise ScenarioError(f"{where} ({kind}): missing required field {name!r}")
             continue
         value = args[name]
-        if (isinstance(value, bool) and types is not bool) or not isinstance(value, types):
+        kinds = types if isinstance(types, tuple) else (types,)
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, types):
             want = " or ".join(t.__name__ for t in (types if isinstance(types, tuple)
                                                      else (types,)))
             raise ScenarioError(f"{where} ({kind}): field {name!r} must be {want}, got "
@@ -124,6 +125,8 @@ def _step(raw: Any, where: str) -> Step:
     if (kind in ("wait", "cancel_after") and args["ms"] < 0) or \
             (kind == "repeat" and args["times"] < 0):
         raise ScenarioError(f"{where} ({kind}): values must be non-negative")
+    if kind == "update" and not 0 < args.get("fraction", 1) <= 1:
+        raise ScenarioError(f"{where} (update): fraction must be in (0, 1]")
     body = _steps(args.pop("steps"), f"{where}.steps") if kind == "repeat" else ()
     return Step(kind, where, args, body)
 
@@ -227,6 +230,7 @@ class _Runner:
         self.on_step = on_step
         self.outputs: dict[str, torch.Tensor] = {}
         self.checksums: dict[str, dict[str, str]] = {}
+        self.states: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # checkpoint copies
         self.last_output: torch.Tensor | None = None
         self.last: tuple[bool, str] = (True, "")
         self.cancel_ms: float | None = None
@@ -322,7 +326,7 @@ class _Runner:
         return True, "detached", 0
 
     async def sleep(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
-        r = await self.transition(self.ctl.sleep)
+        r = await self.transition(lambda: self.ctl.sleep(a.get("discard", False)))
         return r.success, r.message, r.bytes_moved
 
     async def wake(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
@@ -350,7 +354,10 @@ class _Runner:
 
     async def checkpoint(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
         self.checksums[a["name"]] = self.ctl.weights_checksum(algorithm="full")
-        return True, f"checksums recorded as {a['name']!r}", 0
+        # The weights themselves too: an update may bring them back (`update from=...`).
+        self.states[a["name"]] = {name: {k: v.detach().clone() for k, v in m.state_dict().items()}
+                                  for name, m in self.ctl.components.items()}
+        return True, f"checksums and weights recorded as {a['name']!r}", 0
 
     async def update(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
         names = a.get("components") or ["transformer"]
@@ -358,21 +365,36 @@ class _Runner:
         if unknown:
             return False, (f"update names unknown component(s) {unknown}; components: "
                            f"{sorted(self.ctl.components)}"), 0
-        delta = float(a.get("delta", 0.001))
+        if "from" in a and a["from"] not in self.states:
+            return False, f"no checkpoint named {a['from']!r} to update from", 0
+        states = self.new_states(names, a)
         if a.get("source", "disk") == "tensors":
-            state = {k: v + delta for k, v in self.ctl.components[names[0]].state_dict().items()
-                     if v.is_floating_point()}
             r = await self.transition(
-                lambda: self.ctl.update_weights_from_tensors(state, names[0]))
+                lambda: self.ctl.update_weights_from_tensors(states[names[0]], names[0]))
         else:
-            path = a.get("path") or self.write_checkpoint(names, delta)
+            path = a.get("path") or self.write_checkpoint(states)
             r = await self.transition(lambda: self.ctl.update_weights_from_disk(path, names))
         return r.success, r.message, r.bytes_written
 
-    def write_checkpoint(self, names: Sequence[str], delta: float) -> str:
+    def new_states(self, names: Sequence[str], a: Mapping[str, Any]
+                   ) -> dict[str, dict[str, torch.Tensor]]:
+        """The weights an update step writes: the component's (or those a checkpoint recorded,
+        ``from``) plus ``delta`` where floating point; only the first ``fraction`` of them by
+        name (a partial update). Without ``from``, floating-point tensors only."""
+        delta = float(a.get("delta", 0.001))
+        out = {}
+        for name in names:
+            source = self.states[a["from"]][name] if "from" in a else \
+                {k: v for k, v in self.ctl.components[name].state_dict().items()
+                 if v.is_floating_point()}
+            keys = sorted(source)
+            keys = keys[:max(1, round(len(keys) * float(a.get("fraction", 1))))]
+            out[name] = {k: source[k] + delta if source[k].is_floating_point() else source[k]
+                         for k in keys}
+        return out
+
+    def write_checkpoint(self, states: Mapping[str, Mapping[str, torch.Tensor]]) -> str:
         root = Path(self.tmp.name) / f"ckpt-{len(list(Path(self.tmp.name).iterdir()))}"
-        states = {name: {k: v + delta for k, v in self.ctl.components[name].state_dict().items()
-                         if v.is_floating_point()} for name in names}
         return str(write_checkpoint(states, root))
 
     async def expect(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
@@ -386,6 +408,9 @@ class _Runner:
             problems.append(f"last message {message!r} lacks {a['message']!r}")
         if a.get("device_bytes_zero") and self.ctl.report().device_bytes:
             problems.append(f"{self.ctl.report().device_bytes} device bytes left")
+        if "stale" in a and bool(self.ctl.stale) is not a["stale"]:
+            problems.append(f"stale components {dict(self.ctl.stale)}, expected "
+                            f"{'some' if a['stale'] else 'none'}")
         for key, same in (("outputs_equal", True), ("outputs_differ", False)):
             if key in a:
                 ref = self.outputs.get(a[key])

@@ -250,3 +250,17 @@ def test_sleep_wake_bench_reports_the_floor_of_a_clean_sleep() -> None:
         assert doc["ratios"][f"reference_sleep/{floor}"] == pytest.approx(
             results["reference_sleep"]["seconds"] / results[floor]["seconds"])
     assert doc["correct"] is True
+
+
+def test_discard_bench_compares_an_rl_cycle_in_both_modes() -> None:
+    """``bench discard --json``: the discarding release holds fewer host bytes after it, both
+    modes generate the same images for the same weights, and the stale pipeline refused."""
+    proc = subprocess.run([sys.executable, "-m", "lifecycle", "bench", "discard", "--size",
+                           "4MB", "--device", "cpu", "--repeats", "1", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc: dict[str, Any] = json.loads(proc.stdout)
+    keep, discard = doc["modes"]["keep"], doc["modes"]["discard"]
+    assert discard["held_after_release"]["host_bytes"] < keep["held_after_release"]["host_bytes"]
+    assert set(keep["seconds"]) == {"release", "resume", "update", "generate"}
+    assert doc["correct"] is True and discard["refused_while_stale"] is True

@@ -48,21 +48,32 @@ def _check_faults(report: DrillReport) -> None:
     assert any(step == "update" for step, _ in failed)
 
 
-@pytest.mark.parametrize("name", ["basic", "rl_loop", "faults"])
+def _check_rl_discard(report: DrillReport) -> None:
+    """After the first (which fills the mirrors of the components it keeps), a discarding
+    release copies nothing; the generations it expects to be refused really are."""
+    sleeps = [o for o in report.outcomes if o.step == "sleep"]
+    assert len(sleeps) == 3 and all(o.ok for o in sleeps)
+    assert [o.bytes_moved for o in sleeps[1:]] == [0, 0]
+    refused = [o for o in report.outcomes if o.step == "generate" and not o.ok]
+    assert len(refused) == 6 and all("Update weights first" in o.message for o in refused)
+
+
+@pytest.mark.parametrize("name", ["basic", "rl_loop", "faults", "rl_discard"])
 async def test_example_scenario_passes(name: str) -> None:
-    """Each shipped scenario passes with every expectation met, and rl_loop and faults really update and
-    really fail where they say."""
+    """Each shipped scenario passes with every expectation met, and rl_loop, faults and
+    rl_discard really update, fail and refuse where they say."""
     scenario = load_scenario(DRILLS / f"{name}.toml")
     report = await run_drill(scenario, size="8MB")
     assert report.passed, report.verdict
     assert report.outcomes and report.samples
     assert all(o.ok or o.step != "expect" for o in report.outcomes), report.verdict
-    {"rl_loop": _check_rl_loop, "faults": _check_faults}.get(name, lambda r: None)(report)
+    {"rl_loop": _check_rl_loop, "faults": _check_faults,
+     "rl_discard": _check_rl_discard}.get(name, lambda r: None)(report)
 
 
 def test_example_scenarios_say_what_they_do() -> None:
     """Each example starts with a comment explaining the drill and has a name."""
-    for name in ("basic", "rl_loop", "faults"):
+    for name in ("basic", "rl_loop", "faults", "rl_discard"):
         path = DRILLS / f"{name}.toml"
         assert path.read_text().startswith("#"), path
         assert load_scenario(path).name != name  # [drill] name set, not the file stem

@@ -28,17 +28,28 @@ async def wake_(ctl: LifecycleController) -> object:
     return await ctl.wake()
 
 
+DISCARDED = ["text_encoder", "transformer"]
+
+
+async def discard_(ctl: LifecycleController) -> object:
+    return await ctl.sleep(discard=DISCARDED)
+
+
 # name -> (steps that lead to the starting point, the transition under test, its goal)
 SCENARIOS: dict[str, tuple[list[Step], Step, Phase]] = {
     "first sleep (fills mirrors)": ([], sleep_, Phase.SLEEPING),
     "wake": ([sleep_], wake_, Phase.AWAKE),
     "dirty sleep": ([sleep_, wake_], sleep_, Phase.SLEEPING),
+    "discarding sleep": ([sleep_, wake_], discard_, Phase.SLEEPING),
+    "wake after a discarding sleep": ([discard_], wake_, Phase.AWAKE),
 }
 
 
 async def start(steps: list[Step], layer: FaultyDevice
                 ) -> tuple[LifecycleController, dict[str, nn.Module]]:
     pipe = small_pipeline()
+    states[id(pipe)] = {n: {k: v.clone() for k, v in pipe[n].state_dict().items()}
+                        for n in DISCARDED}
     ctl = LifecycleController(device_layer=layer)
     await ctl.attach(pipe)
     for step in steps:
@@ -59,9 +70,12 @@ async def count_ops(steps: list[Step], target: Step) -> tuple[int, int]:
     return probe.copies - copies, probe.allocations - allocs
 
 
-# A dirty sleep reuses the mirrors: it allocates nothing, so only its copies can fail.
+# A dirty sleep reuses the mirrors, and a discarding one here keeps only buffers that have
+# mirrors already: they allocate nothing, so only their copies can fail.
 FAULT_POINTS = [(s, k) for s in SCENARIOS for k in ("copy", "alloc")
-                if (s, k) != ("dirty sleep", "alloc")]
+                if (s, k) not in (("dirty sleep", "alloc"), ("discarding sleep", "alloc"))]
+states: dict[int, dict[str, dict[str, torch.Tensor]]] = {}  # the discarded weights, per pipe
+BUILT = fingerprints(small_pipeline())  # every scenario ends with these weights again
 
 
 @pytest.mark.parametrize(("scenario", "kind"), FAULT_POINTS)
@@ -87,14 +101,16 @@ async def test_fault_at_every_point_rolls_back_exactly_and_retry_succeeds(
         assert info.value.__cause__ is info.value.cause
         assert layer.faults == 1
         assert (ctl.phase, ctl.report()) == (before_phase, before_report)
-        if ctl.phase is Phase.AWAKE:
+        if ctl.phase is Phase.AWAKE and not ctl.stale:
             assert fingerprints(pipe) == before_sums
             run_pipeline(pipe)
         result = await target(ctl)
         assert isinstance(result, OccupationResult)
         assert result.success and ctl.phase is goal
         await ctl.wake()
-        assert fingerprints(pipe) == before_sums
+        for name in ctl.stale:  # discarded: the trainer's weights come back by an update
+            assert (await ctl.update_weights_from_tensors(states[id(pipe)][name], name)).success
+        assert fingerprints(pipe) == BUILT
 
 
 async def test_failed_transition_logs_a_rolled_back_event(caplog: pytest.LogCaptureFixture) -> None:

@@ -31,6 +31,7 @@ from lifecycle import (
     TransitionFailed,
     TransitionRejected,
     UpdateResult,
+    WeightsDiscarded,
     WeightUpdateWhileSleeping,
 )
 from lifecycle.testing import FaultyDevice
@@ -84,7 +85,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.layer = FaultyDevice()
         self.ctl = self.portal.call(self._make)
         self.phase = Phase.UNINITIALIZED
-        self.weights = "orig"
+        # The transformer's weights ("orig", "A", "B"), None while stale (discarded by a sleep
+        # and not wholly updated since: undefined values, it serves nothing).
+        self.weights: str | None = "orig"
         self.awake_bytes: int | None = None
 
     async def _make(self) -> LifecycleController:
@@ -115,18 +118,27 @@ class LifecycleMachine(RuleBasedStateMachine):
             with pytest.raises(TransitionRejected):
                 self.run(lambda: self.ctl.attach(self.pipe))
 
+    @property
+    def stale(self) -> bool:
+        return self.weights is None
+
     @rule()
     def detach(self) -> None:
         assert self.run(self.ctl.detach) is Phase.UNINITIALIZED
         self.phase = Phase.UNINITIALIZED
+        if self.stale:  # the module keeps undefined values: give it known ones again
+            self.pipe["transformer"].load_state_dict(STATES["orig"])
+            self.weights = "orig"
 
-    @rule(fault=Faults, trigger=st.sampled_from(["sleep", "wake"]))
-    def occupation(self, fault: tuple[str, int] | None, trigger: str) -> None:
+    @rule(fault=Faults, trigger=st.sampled_from(["sleep", "wake"]), discard=st.booleans())
+    def occupation(self, fault: tuple[str, int] | None, trigger: str, discard: bool) -> None:
         self.arm(fault)
         faults = self.layer.faults
         target = Phase.SLEEPING if trigger == "sleep" else Phase.AWAKE
+        call = (lambda: self.ctl.sleep(discard=["transformer"])) if trigger == "sleep" and \
+            discard else getattr(self.ctl, trigger)
         try:
-            result = self.run(getattr(self.ctl, trigger))
+            result = self.run(call)
         except TransitionFailed:
             assert self.layer.faults == faults + 1, "only an injected fault may fail a move"
             assert self.ctl.phase is self.phase
@@ -139,11 +151,20 @@ class LifecycleMachine(RuleBasedStateMachine):
             else:
                 assert result.success
                 self.phase = target
+                # A discarding sleep (or any sleep while stale) drops the transformer.
+                dropped = trigger == "sleep" and (discard or self.stale)
+                assert result.discarded == (("transformer",) if dropped else ())
+                if dropped:
+                    self.weights = None
         self.arm(None)
 
-    @rule(fault=Faults, source=st.sampled_from(["tensors", "disk"]), valid=st.booleans())
-    def update(self, fault: tuple[str, int] | None, source: str, valid: bool) -> None:
+    @rule(fault=Faults, source=st.sampled_from(["tensors", "disk"]), valid=st.booleans(),
+          partial=st.booleans())
+    def update(self, fault: tuple[str, int] | None, source: str, valid: bool,
+               partial: bool) -> None:
         new = "A" if self.weights != "A" else "B"
+        partial = partial and self.stale and source == "tensors"  # (a partial write of
+        # fresh weights would leave a mix the model does not track)
         self.arm(fault)
         faults = self.layer.faults
 
@@ -152,6 +173,8 @@ class LifecycleMachine(RuleBasedStateMachine):
                 path = Path(self.tmp.name) / new if valid else Path(self.tmp.name) / "missing"
                 return await self.ctl.update_weights_from_disk(path)
             state = STATES[new] if valid else {"nope": torch.zeros(1)}
+            if partial:
+                state = dict(list(state.items())[:1])
             return await self.ctl.update_weights_from_tensors(state)
 
         if self.phase is Phase.SLEEPING:
@@ -162,7 +185,11 @@ class LifecycleMachine(RuleBasedStateMachine):
             if self.phase is Phase.UNINITIALIZED or not valid:
                 assert not result.success
             elif result.success:
-                self.weights = new
+                if partial:
+                    assert result.stale == {"transformer": len(STATES[new]) - 1}
+                else:
+                    self.weights = new
+                    assert result.stale == {}
             else:
                 assert self.layer.faults == faults + 1 and "rolled back" in result.message
         self.arm(None)
@@ -178,7 +205,10 @@ class LifecycleMachine(RuleBasedStateMachine):
                 else:
                     m(torch.arange(4).reshape(1, 4))
 
-        if self.phase is Phase.AWAKE:
+        if self.phase is Phase.AWAKE and component == "transformer" and self.stale:
+            with pytest.raises(WeightsDiscarded):
+                self.run(call)
+        elif self.phase is Phase.AWAKE:
             self.run(call)
         else:
             with pytest.raises(ComponentAsleep if self.phase is Phase.SLEEPING
@@ -208,7 +238,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         finally:
             self.layer.copy_delay = 0.0
         self.phase = self.ctl.phase  # either outcome is valid; invariants check the truth
-        if trigger == "update" and fingerprints(self.pipe) == SUMS[new]:
+        if trigger == "update" and not self.ctl.stale and fingerprints(self.pipe) == SUMS[new]:
             self.weights = new
 
     @precondition(lambda self: self.phase is not Phase.UNINITIALIZED)
@@ -228,7 +258,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                     await self.ctl.update_weights_from_tensors(STATES[new])
                 else:
                     await getattr(self.ctl, kind)()
-            except (ComponentAsleep, WeightUpdateWhileSleeping):
+            except (ComponentAsleep, WeightUpdateWhileSleeping, WeightsDiscarded):
                 pass
             answers.append(kind)
 
@@ -240,7 +270,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.run(all_calls)
         assert sorted(answers) == sorted(calls)
         self.phase = self.ctl.phase
-        if fingerprints(self.pipe) == SUMS[new]:
+        if not self.ctl.stale and fingerprints(self.pipe) == SUMS[new]:
             self.weights = new
 
     # -- invariants ----------------------------------------------------------------------
@@ -251,7 +281,14 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @invariant()
     def weights_are_the_models_version(self) -> None:
-        assert fingerprints(self.pipe) == SUMS[self.weights]
+        sums = fingerprints(self.pipe)
+        if self.weights is None:  # stale: the transformer's values are undefined
+            sums.pop("transformer")
+        assert sums.items() <= SUMS[self.weights or "orig"].items()
+
+    @invariant()
+    def the_stale_set_is_the_models(self) -> None:
+        assert dict(self.ctl.stale).keys() == ({"transformer"} if self.stale else set())
 
     @invariant()
     def device_bytes_match_the_phase(self) -> None:

@@ -1,0 +1,86 @@
+"""Discard sleep, the controller's side: which components a sleep discards, the moves a sleep
+and a wake prepare for them, and what a stale component refuses to serve.
+
+A discarding sleep (``ctl.sleep(discard=...)``, or every release with the controller's
+``discard_on_release``) drops a component's parameters and persistent buffers without a host
+copy (see :mod:`strategies._discard`); the wake after gives them their places again with
+undefined contents and the component is *stale* until updates have written every one of them.
+A stale component serves nothing: its forwards, its ``use()``, a request naming it and its
+checksum raise :class:`WeightsDiscarded`. A sleep of a stale component drops its stale tensors
+again whatever ``discard`` says (garbage is never copied to the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from strategies import DiscardMove, Move, UndiscardMove, Unit, prepare_discard, prepare_undiscard
+
+from ._errors import InvalidRequest, WeightsDiscarded
+
+if TYPE_CHECKING:
+    from ._uses import Component
+
+Progress = Callable[[int], None]
+
+__all__ = ["Discard", "prepare_sleep", "prepare_wake", "refuse_stale", "resolve_discard",
+           "stale_counts"]
+
+#: What ``discard`` may be: nothing (``None``, ``False``), every component (``True``,
+#: ``"all"``), or the names of some (a sequence, or one string of comma-separated names).
+Discard = bool | str | Sequence[str] | None
+
+
+def resolve_discard(discard: Discard, components: Collection[str]) -> frozenset[str]:
+    """The components ``discard`` names (InvalidRequest, naming the valid ones, for a name
+    the pipeline lacks or a value of another kind)."""
+    if discard is None or discard is False:
+        return frozenset()
+    if discard is True or discard == "all":
+        return frozenset(components)
+    if isinstance(discard, str):
+        names = [n.strip() for n in discard.split(",") if n.strip()]
+    elif isinstance(discard, Sequence) and all(isinstance(n, str) for n in discard):
+        names = list(discard)
+    else:
+        raise InvalidRequest("discard", f"discard must be true/false, 'all' or a list of "
+                                        f"component names, got {discard!r}")
+    unknown = sorted(set(names) - set(components))
+    if unknown:
+        raise InvalidRequest("discard", f"discard names unknown components {unknown}; "
+                                        f"components: {sorted(components)} (or true / 'all')")
+    return frozenset(names)
+
+
+async def prepare_sleep(c: Component, units: list[Unit], progress: Progress | None,
+                        discard: frozenset[str]) -> Move | DiscardMove:
+    """The sleep of ``c``: discarding when named in ``discard`` or stale, else the usual one
+    of ``units`` (its device units)."""
+    store = c.strategy.store
+    move = await prepare_discard(store, c.name in discard, progress)
+    return move if move is not None else await store.prepare_to_host(units, progress=progress)
+
+
+async def prepare_wake(c: Component, units: list[Unit], progress: Progress | None
+                       ) -> Move | UndiscardMove:
+    """The wake of ``c``: every unit placed again after a discarding sleep, else the usual
+    one of ``units`` (its awake units on the host)."""
+    store = c.strategy.store
+    if store.discarded is not None:
+        return await prepare_undiscard(store, c.strategy.awake_units(), progress)
+    return await store.prepare_to_device(units, progress)
+
+
+def stale_counts(components: Iterable[Component]) -> dict[str, int]:
+    """``{name: stale tensors}`` of the stale ones among ``components``."""
+    return {c.name: c.strategy.store.stale_count for c in components
+            if c.strategy.store.stale_count}
+
+
+def refuse_stale(components: Iterable[Component]) -> None:
+    """Raise :class:`WeightsDiscarded` naming every stale one among ``components``."""
+    stale = {c.name: c.strategy.store.stale_names() for c in components
+             if c.strategy.store.stale_count}
+    if stale:
+        raise WeightsDiscarded(stale)
