@@ -29,7 +29,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from strategies import TensorStore
+from strategies.protocol import TensorStore
 
 from ._errors import InvalidRequest
 from ._results import TensorHashCheck

@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from strategies import DiscardMove, Move, UndiscardMove, Unit, prepare_discard, prepare_undiscard
+from strategies.protocol import (
+    DiscardMove,
+    Move,
+    UndiscardMove,
+    Unit,
+    prepare_discard,
+    prepare_undiscard,
+)
 
 from ._errors import InvalidRequest, WeightsDiscarded
 

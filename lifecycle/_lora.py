@@ -39,7 +39,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from strategies import PreparedMove, TensorStore
+from strategies.protocol import PreparedMove, TensorStore
 
 from ._errors import InvalidRequest
 from ._updates import UpdatePlan, UpdateRefused, _Write

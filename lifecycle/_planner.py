@@ -42,14 +42,8 @@ from typing import Any
 
 from torch import nn
 
-from strategies import (
-    LayerwiseTuning,
-    ResidencyConfig,
-    ResidencyMode,
-    Shape,
-    TensorStore,
-    check_block_lists,
-)
+from strategies import LayerwiseTuning, ResidencyConfig, ResidencyMode
+from strategies.protocol import Shape, TensorStore, check_block_lists
 
 from ._errors import LifecycleError
 

@@ -24,7 +24,13 @@ import anyio
 import torch
 from safetensors import SafetensorError, safe_open
 
-from strategies import FileRegion, PreparedMove, TensorStore, WriteSource, safetensors_regions
+from strategies.protocol import (
+    FileRegion,
+    PreparedMove,
+    TensorStore,
+    WriteSource,
+    safetensors_regions,
+)
 
 from . import _events as events
 from ._events import get_logger

@@ -19,7 +19,8 @@ import anyio
 import anyio.abc
 from torch import nn
 
-from strategies import ComputeGuard, DeviceLayer, Move, ResidencyStrategy
+from strategies import DeviceLayer, ResidencyStrategy
+from strategies.protocol import ComputeGuard, Move
 
 from . import _events as events
 from ._admission import Admission

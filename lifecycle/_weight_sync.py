@@ -63,7 +63,7 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 
-from strategies import PreparedMove, TensorStore, WriteSource
+from strategies.protocol import PreparedMove, TensorStore, WriteSource
 
 from . import _events as events
 from ._errors import InvalidRequest, WeightSyncGroupBroken, WeightSyncGroupMissing, forget_locals

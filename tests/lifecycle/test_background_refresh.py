@@ -16,8 +16,9 @@ import strategies._write as write
 from lifecycle import LifecycleController, Phase
 from lifecycle._events import UPDATE_MIRROR_STALE, add_event_sink
 from lifecycle.testing import FaultyDevice
-from strategies import CopyHandle, TensorStore
+from strategies import CopyHandle
 from strategies._device import CopyPair, Tier
+from strategies.protocol import TensorStore
 from tests.helpers import fingerprints, small_pipeline
 
 pytestmark = pytest.mark.anyio

@@ -18,19 +18,21 @@ from torch.distributed.fsdp import FSDPModule
 from lifecycle import ComponentNotPlaced, LifecycleController, Phase, TransitionFailed
 from lifecycle.testing import FaultyDevice, InjectedFault
 from strategies import (
-    ComponentOffloadStrategy,
     ComponentResidencyError,
     LayerwiseOffloadStrategy,
     ResidencyConfig,
     ResidencyMode,
-    ResidentStrategy,
-    SnapshotOffloadStrategy,
-    build_strategy,
     enable_layerwise_offload,
     is_layerwise_offloaded,
     layerwise_blocks,
 )
 from strategies._device import Tier
+from strategies.protocol import (
+    ComponentOffloadStrategy,
+    ResidentStrategy,
+    SnapshotOffloadStrategy,
+    build_strategy,
+)
 from tests.helpers import fingerprints, small_pipeline
 
 pytestmark = pytest.mark.anyio

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from strategies import TensorStore, WriteSource, make_device_layer
+from strategies import make_device_layer
 from strategies._discard import prepare_discard, prepare_undiscard
+from strategies.protocol import TensorStore, WriteSource
 
 pytestmark = pytest.mark.anyio
 

@@ -1,0 +1,49 @@
+"""The plumbing the lifecycle drives: one component's tensors (:class:`TensorStore`, its
+units), the moves that place them (prepared, then committed or undone: placement, writes,
+regrouping, restoring, discarding), the strategy factory and the forward guard.
+
+``lifecycle`` imports only :mod:`strategies` and this module. Someone writing a strategy
+of their own needs these types too; a user placing a pipeline does not (see
+:mod:`strategies`).
+"""
+
+from ._base import ResidencyStrategy
+from ._discard import DiscardMove, UndiscardMove, prepare_discard, prepare_undiscard
+from ._factory import Shape, build_strategy
+from ._fileread import FileRegion, safetensors_regions
+from ._guard import ComputeGuard
+from ._layerwise import check_block_lists
+from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
+from ._regroup import RegroupMove, RestoreMove, needs_restore, prepare_regroup, prepare_restore
+from ._resident import ResidentStrategy
+from ._store import Move, PreparedMove, StoreReport, TensorStore, Unit
+from ._write import WriteMove, WriteSource
+
+__all__ = [
+    "ComponentOffloadStrategy",
+    "ComputeGuard",
+    "DiscardMove",
+    "FileRegion",
+    "Move",
+    "PreparedMove",
+    "RegroupMove",
+    "ResidencyStrategy",
+    "ResidentStrategy",
+    "RestoreMove",
+    "Shape",
+    "SnapshotOffloadStrategy",
+    "StoreReport",
+    "TensorStore",
+    "UndiscardMove",
+    "Unit",
+    "WriteMove",
+    "WriteSource",
+    "build_strategy",
+    "check_block_lists",
+    "needs_restore",
+    "prepare_discard",
+    "prepare_regroup",
+    "prepare_restore",
+    "prepare_undiscard",
+    "safetensors_regions",
+]
