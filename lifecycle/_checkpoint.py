@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["gbps", "unique_tensors", "write_checkpoint"]
+__all__ = ["unique_tensors", "write_checkpoint"]
 
 
 def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -44,8 +44,3 @@ def write_checkpoint(states: Mapping[str, Mapping[str, torch.Tensor]], root: Pat
     if sync:
         os.sync()
     return root
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    """Bytes per second in GB/s (decimal), 0 for no time."""
-    return nbytes / seconds / 1e9 if seconds > 0 else 0.0

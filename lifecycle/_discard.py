@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 Progress = Callable[[int], None]
 
 __all__ = ["Discard", "prepare_sleep", "prepare_wake", "refuse_stale", "resolve_discard",
-           "stale_counts"]
+           "stale_counts", "still_stale"]
 
 #: What ``discard`` may be: nothing (``None``, ``False``), every component (``True``,
 #: ``"all"``), or the names of some (a sequence, or one string of comma-separated names).
@@ -83,6 +83,15 @@ def stale_counts(components: Iterable[Component]) -> dict[str, int]:
     """``{name: stale tensors}`` of the stale ones among ``components``."""
     return {c.name: c.strategy.store.stale_count for c in components
             if c.strategy.store.stale_count}
+
+
+def still_stale(components: Iterable[Component]) -> str:
+    """What an update's message adds while some of ``components`` are stale: each one's
+    stale tensors, how many and a few names ("" when none is)."""
+    few = {c.name: (c.strategy.store.stale_count, c.strategy.store.stale_names()[:3])
+           for c in components if c.strategy.store.stale_count}
+    return "" if not few else "; still stale (not served until updated): " + ", ".join(
+        f"{n} ({k} tensor(s): {', '.join(names)}...)" for n, (k, names) in few.items())
 
 
 def refuse_stale(components: Iterable[Component]) -> None:

@@ -38,12 +38,15 @@ Configuration mistakes found while parsing (``ResidencyConfig``) are plain ``Val
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from strategies import ResidencyError
+
+# Defined once, in strategies (its moves forget locals too); re-exported for the modules of
+# lifecycle that still import it from here.
+from strategies.protocol import forget_locals
 
 if TYPE_CHECKING:
     from ._phase import Phase
@@ -284,11 +287,3 @@ def failures_roll_back(trigger: str, phase: Callable[[], Phase]) -> Iterator[Non
         raise
     except Exception as exc:
         raise TransitionFailed(trigger, phase(), exc) from exc
-
-
-def forget_locals(exc: BaseException) -> None:
-    """Drop the local variables of the frames ``exc`` passed through (file and line stay):
-    a failed move's frames hold its buffers, and exceptions sit in reference cycles that only
-    the cyclic collector breaks, so without this the memory a rollback released stays
-    allocated until then."""
-    traceback.clear_frames(exc.__traceback__)

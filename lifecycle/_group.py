@@ -15,11 +15,16 @@ vote votes 0 on its way out), so the ranks stay in lock step. Collectives run in
 thread (the event loop keeps serving) with ``collective_timeout``: a rank that died or hung
 makes the others roll back and raise :class:`GroupBroken`; the group is then unusable (gloo
 cannot reuse a failed group) until :meth:`LifecycleController.rebind`.
+
+:class:`RankGroup` runs the collectives, :class:`Section` holds one transition's votes, and
+:class:`Collective` is a controller's side of both (its errors are the library's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -28,12 +33,20 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 
+from ._errors import DrainTimeout, GroupBroken, RanksDisagree, TransitionFailed
 from ._phase import Phase
+from ._results import RankChecksums
 
-__all__ = ["GroupFailure", "RankGroup", "Section"]
+__all__ = ["Collective", "GroupFailure", "RankGroup", "Section", "describe"]
 
 T = TypeVar("T")
 _CODES = {p: i for i, p in enumerate(Phase)}
+_ALONE: AbstractAsyncContextManager[None] = contextlib.nullcontext()  # stateless: shared
+
+
+def describe(failures: Mapping[int, str]) -> str:
+    """``rank r: why`` for every failed rank, in rank order."""
+    return "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
 
 
 class GroupFailure(RuntimeError):
@@ -114,3 +127,120 @@ class Section:
         """Vote (ok when ``error`` is None); returns the failures of every rank."""
         reason = None if error is None else f"{type(error).__name__}: {error}"
         return await self.group.vote(error is None, reason)
+
+
+class Collective:
+    """A controller's transitions over its process group (none: one rank, nothing to agree
+    on): the phase agreed before each, this rank's votes during it, the group replaced by
+    :meth:`rebind`. ``phase``: the controller's phase now (named in errors)."""
+
+    def __init__(self, process_group: Any, timeout: float, phase: Callable[[], Phase]) -> None:
+        self.group = None if process_group is None else RankGroup(process_group, timeout)
+        self._phase = phase
+        self._section: Section | None = None  # the collective transition in progress
+
+    @property
+    def world_size(self) -> int:
+        return 1 if self.group is None else self.group.world_size
+
+    def rebind(self, process_group: Any, timeout: float | None) -> int:
+        """Make transitions collective over ``process_group`` (``timeout``: the old group's,
+        else 30 s); returns this rank's rank in it."""
+        if timeout is None:
+            timeout = self.group.timeout if self.group is not None else 30.0
+        self.group = RankGroup(process_group, timeout)
+        return self.group.rank
+
+    def section(self, trigger: str) -> AbstractAsyncContextManager[None]:
+        """Around a transition on every rank: agree on the phase first; an error before the
+        deciding vote still votes (no on its way out), so the ranks stay in lock step. One
+        rank: nothing to agree on (no generator made: a clean sleep enters this)."""
+        return _ALONE if self.group is None else self._section_of(trigger, self.group)
+
+    @asynccontextmanager
+    async def _section_of(self, trigger: str, group: RankGroup) -> AsyncIterator[None]:
+        if group.broken is not None:
+            raise GroupBroken(trigger, self._phase(), GroupFailure(group.broken),
+                              group.describe())
+        try:
+            phases = await group.phases(self._phase())
+        except GroupFailure as exc:
+            raise GroupBroken(trigger, self._phase(), exc, group.describe()) from exc
+        if phases is not None:
+            raise RanksDisagree(trigger, self._phase(), phases)
+        section = self._section = Section(group)
+        try:
+            yield
+        except BaseException as exc:
+            if not section.closed:
+                section.closed = True
+                try:
+                    failures = await section.vote(exc)
+                except GroupFailure as broken:
+                    raise GroupBroken(trigger, self._phase(), broken, group.describe()) from exc
+                if isinstance(exc, DrainTimeout):
+                    exc.failed_ranks = failures
+            raise
+        finally:
+            self._section = None
+
+    async def vote(self, trigger: str, error: BaseException | None, *, final: bool
+                   ) -> dict[int, str]:
+        """This rank's vote in the collective transition in progress; returns every rank's
+        failure (none outside a collective transition: one rank votes nothing). ``final``:
+        the deciding vote."""
+        section = self._section
+        if section is None:
+            return {}
+        if final:
+            section.closed = True
+        try:
+            failures = await section.vote(error)
+        except GroupFailure as broken:
+            section.closed = True
+            raise GroupBroken(trigger, self._phase(), broken, section.group.describe()) \
+                from error
+        if failures and not final:
+            section.closed = True
+        return failures
+
+    async def decide(self, trigger: str, error: BaseException | None
+                     ) -> tuple[BaseException | None, dict[int, str]]:
+        """A transaction's deciding vote (all commit or none; one rank: no vote, and no
+        failures): this rank's error, if any, and every rank's failures. A group that breaks
+        now is this rank's error (it rolls back alone)."""
+        try:
+            return error, await self.vote(trigger, error, final=True)
+        except BaseException as exc:
+            return exc, {}
+
+    def failure(self, trigger: str, error: BaseException, failures: dict[int, str], *,
+                own: bool, drain_timeout: float | None) -> BaseException:
+        """What a transaction rolled back for ``error`` raises here: other ranks' failures
+        wrap it in :class:`TransitionFailed`; when they alone failed (``own`` false: ``error``
+        only reports them) and none of them could drain, the same refusal as theirs."""
+        if not own and all(w.startswith("DrainTimeout") for w in failures.values()):
+            # Other ranks could not drain: the same refusal as theirs, on every rank.
+            drained = DrainTimeout(trigger, self._phase(), [f"rank {r}" for r in sorted(failures)],
+                                   drain_timeout or 0.0)
+            drained.failed_ranks = failures
+            return drained
+        if failures and isinstance(error, Exception) and not isinstance(error, TransitionFailed):
+            failed = TransitionFailed(trigger, self._phase(), error, failures)
+            failed.__cause__ = error  # as ``raise failed from error``
+            return failed
+        return error
+
+    async def checksums(self, local: dict[str, str], rank: int) -> RankChecksums:
+        """Every rank's ``local`` checksums by component and rank (collective: every rank
+        calls it); a component a rank lacks reads ``"not_found"``."""
+        if self.group is None:
+            return RankChecksums({n: {rank: s} for n, s in local.items()})
+        try:
+            gathered = await self.group.gather(local)
+        except GroupFailure as exc:
+            raise GroupBroken("checksum", self._phase(), exc, self.group.describe()) from exc
+        names = sorted({n for g in gathered if isinstance(g, dict) for n in g})
+        return RankChecksums({n: {r: g.get(n, "not_found") if isinstance(g, dict)
+                                  else "not_found" for r, g in enumerate(gathered)}
+                              for n in names})

@@ -42,11 +42,11 @@ import torch
 from strategies.protocol import PreparedMove, TensorStore
 
 from ._errors import InvalidRequest
-from ._updates import UpdatePlan, UpdateRefused, _Write
+from ._updates import UpdatePlan, UpdateRefused, _Write, plan_from_tensors
 
 __all__ = ["PEFT_PREFIX", "WEIGHT_UPDATE_MODES", "LoraBases", "LoraScale", "LoraTarget",
            "lora_layout", "merge_plan", "merged_weight", "parse_lora_name", "parse_mode",
-           "parse_scale", "plan_lora_from_tensors"]
+           "parse_scale", "plan_lora_from_tensors", "plan_tensors"]
 
 WeightUpdateMode = Literal["full", "lora_merge"]
 WEIGHT_UPDATE_MODES: tuple[str, ...] = ("full", "lora_merge")
@@ -263,6 +263,20 @@ def plan_lora_from_tensors(stores: Mapping[str, TensorStore],
     targets = lora_layout(store, target, entries, scale)
     bases.attach_bases(store, targets)
     return merge_plan(target, targets, tensors.__getitem__)
+
+
+def plan_tensors(stores: Mapping[str, TensorStore],
+                 named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+                 target: str, mode: object, lora_alpha: object, lora_rank: object,
+                 bases: LoraBases) -> Callable[[], UpdatePlan]:
+    """What plans ``update_weights_from_tensors``: ``named`` written into ``target`` as
+    they are, or (``mode="lora_merge"``) merged into its linears' pristine ``bases``. The
+    arguments are checked now, the plan is made when called (in a worker thread)."""
+    if parse_mode(mode) == "lora_merge":
+        scale = parse_scale("lora_merge", lora_alpha, lora_rank)
+        items = list(named.items()) if isinstance(named, Mapping) else list(named)
+        return lambda: plan_lora_from_tensors(stores, items, target, scale, bases)
+    return lambda: plan_from_tensors(stores, named, target)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Phases, the transition table and the refusal table: data, defined once.
 
 Code (the controller), the diagram (``residency diagram``) and the docs are generated from
-these tables. ``transitions.Machine`` is the commit point: the controller calls a trigger
-only after the work it stands for is done.
+these tables. :func:`refusal` answers a (trigger, phase) pair from them, a pure look-up;
+:class:`PhaseMachine` (a ``transitions.Machine``) is the commit point: the controller fires
+a trigger only after the work it stands for is done.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from transitions import Machine
+
 from ._errors import (
     ALREADY_AWAKE,
     ALREADY_SLEEPING,
+    FSDP_UNSUPPORTED,
     NOT_INITIALIZED,
     UPDATE_WHILE_SLEEPING,
+    FSDPInferenceUnsupported,
     TransitionRejected,
     WeightUpdateWhileSleeping,
 )
@@ -23,9 +28,12 @@ __all__ = [
     "REFUSALS",
     "TRANSITIONS",
     "Phase",
+    "PhaseMachine",
     "Refusal",
+    "Rule",
     "Transition",
     "mermaid",
+    "refusal",
 ]
 
 
@@ -57,6 +65,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("detach", S, U),
 )
 
+
 class Refusal(enum.Enum):
     """How a (trigger, phase) pair that is not a transition is answered."""
 
@@ -65,29 +74,84 @@ class Refusal(enum.Enum):
     REJECT = "TransitionRejected raised"
 
 
-# (trigger, phase) -> (how, message, error raised for REJECT). Pairs in neither table are
-# rejected with a generic reason naming the valid phases. FSDP checks come from the
-# controller (they depend on the pipeline, not the phase).
-REFUSALS: dict[tuple[str, Phase], tuple[Refusal, str, type[TransitionRejected] | None]] = {
-    ("sleep", S): (Refusal.NOOP, ALREADY_SLEEPING, None),
-    ("sleep", U): (Refusal.FAIL, NOT_INITIALIZED, None),
-    ("wake", A): (Refusal.NOOP, ALREADY_AWAKE, None),
-    ("wake", U): (Refusal.FAIL, NOT_INITIALIZED, None),
-    ("begin_update", U): (Refusal.FAIL, NOT_INITIALIZED, None),
-    ("begin_update", S): (Refusal.REJECT, UPDATE_WHILE_SLEEPING, WeightUpdateWhileSleeping),
-    ("attach", A): (Refusal.REJECT, "a pipeline is already attached; detach() it first",
-                    TransitionRejected),
-    ("attach", S): (Refusal.REJECT, "a pipeline is already attached; detach() it first",
-                    TransitionRejected),
-    ("detach", U): (Refusal.NOOP, "no pipeline attached", None),
+@dataclass(frozen=True)
+class Rule:
+    """The answer to one refused (trigger, phase) pair: how, the reason, and for
+    :attr:`Refusal.REJECT` the error raised (built as ``error(trigger, phase, message)``)."""
+
+    kind: Refusal
+    message: str
+    error: type[TransitionRejected] | None = None
+
+
+_ATTACHED = "a pipeline is already attached; detach() it first"
+
+# Pairs in neither table are rejected with a generic reason naming the trigger and phase.
+# FSDP refusals come from :func:`refusal` (they depend on the pipeline, not the phase).
+REFUSALS: dict[tuple[str, Phase], Rule] = {
+    ("sleep", S): Rule(Refusal.NOOP, ALREADY_SLEEPING),
+    ("sleep", U): Rule(Refusal.FAIL, NOT_INITIALIZED),
+    ("wake", A): Rule(Refusal.NOOP, ALREADY_AWAKE),
+    ("wake", U): Rule(Refusal.FAIL, NOT_INITIALIZED),
+    ("begin_update", U): Rule(Refusal.FAIL, NOT_INITIALIZED),
+    ("begin_update", S): Rule(Refusal.REJECT, UPDATE_WHILE_SLEEPING, WeightUpdateWhileSleeping),
+    ("attach", A): Rule(Refusal.REJECT, _ATTACHED, TransitionRejected),
+    ("attach", S): Rule(Refusal.REJECT, _ATTACHED, TransitionRejected),
+    ("detach", U): Rule(Refusal.NOOP, "no pipeline attached"),
 }
+
+_VALID = frozenset((t.trigger, t.source) for t in TRANSITIONS)
+_FSDP = Rule(Refusal.REJECT, FSDP_UNSUPPORTED, FSDPInferenceUnsupported)
+
+
+def refusal(trigger: str, phase: Phase, *, fsdp: bool = False) -> Rule | None:
+    """How ``trigger`` in ``phase`` is refused, or None when it is a transition to run.
+
+    Noop first, then FSDP (sleep/wake of a pipeline FSDP places: ``fsdp``), then failure or
+    rejection: the reference's order."""
+    rule = REFUSALS.get((trigger, phase))
+    if rule is not None and rule.kind is Refusal.NOOP:
+        return rule
+    if fsdp and trigger in ("sleep", "wake"):
+        return _FSDP
+    if rule is None and (trigger, phase) not in _VALID:
+        return Rule(Refusal.REJECT, f"{trigger} is not valid in phase {phase.value}",
+                    TransitionRejected)
+    return rule
+
+
+class _Model:
+    """The ``transitions`` model: holds ``state`` and nothing else."""
+
+    state: Phase
+
+
+class PhaseMachine:
+    """The phase, changed only by firing a trigger of :data:`TRANSITIONS` on a
+    ``transitions.Machine`` (which refuses any other)."""
+
+    def __init__(self) -> None:
+        self._model = _Model()
+        self._machine = Machine(
+            model=self._model, states=Phase, initial=U,
+            transitions=[{"trigger": t.trigger, "source": t.source, "dest": t.dest}
+                         for t in TRANSITIONS],
+            auto_transitions=False)
+
+    @property
+    def phase(self) -> Phase:
+        return self._model.state
+
+    def fire(self, trigger: str) -> None:
+        """Commit ``trigger``: called only after the work it stands for is done."""
+        self._model.trigger(trigger)  # type: ignore[attr-defined]
 
 
 def mermaid() -> str:
     """The state machine as a Mermaid ``stateDiagram-v2``, from :data:`TRANSITIONS`."""
     lines = ["stateDiagram-v2", f"    [*] --> {U.value}"]
     lines += [f"    {t.source.value} --> {t.dest.value}: {t.trigger}" for t in TRANSITIONS]
-    for (trigger, phase), (how, message, _) in REFUSALS.items():
-        if how is Refusal.NOOP:
-            lines.append(f"    {phase.value} --> {phase.value}: {trigger} ({message})")
+    for (trigger, phase), rule in REFUSALS.items():
+        if rule.kind is Refusal.NOOP:
+            lines.append(f"    {phase.value} --> {phase.value}: {trigger} ({rule.message})")
     return "\n".join(lines) + "\n"

@@ -46,6 +46,7 @@ from strategies import LayerwiseTuning, ResidencyConfig, ResidencyMode
 from strategies.protocol import Shape, TensorStore, check_block_lists
 
 from ._errors import LifecycleError
+from ._units import format_bytes, parse_size
 
 __all__ = [
     "ComponentDecision",
@@ -76,28 +77,19 @@ class InfeasibleBudget(LifecycleError):
     def __init__(self, budget_bytes: int, minimum_bytes: int, layout: str,
                  reserve: int = 0) -> None:
         super().__init__(
-            f"no residency fits a device budget of {_fmt(budget_bytes)}"
-            + (f" (activation reserve {_fmt(reserve)} included)" if reserve else "")
-            + f"; the smallest feasible budget is {_fmt(minimum_bytes)} "
+            f"no residency fits a device budget of {format_bytes(budget_bytes)}"
+            + (f" (activation reserve {format_bytes(reserve)} included)" if reserve else "")
+            + f"; the smallest feasible budget is {format_bytes(minimum_bytes)} "
             f"({minimum_bytes} bytes), running {layout}")
         self.budget_bytes = budget_bytes
         self.minimum_bytes = minimum_bytes
         self.layout = layout
 
 
-def _fmt(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def parse_budget(budget: int | float | str, *, free_bytes: int | None, pipeline_bytes: int) -> int:
     """Bytes of a budget given as bytes, a size string (``"20GiB"``, ``"300MB"``) or a
     percentage (``"90%"``) of the device's free memory (``free_bytes``; where that is
     unknown, as on the CPU, of the pipeline's size)."""
-    from .demo import parse_size
-
     if isinstance(budget, bool) or not isinstance(budget, int | float | str):
         raise TypeError(f"device budget must be bytes, a size string or a percentage, "
                         f"got {type(budget).__name__}")
@@ -505,24 +497,24 @@ class ResidencyPlan:
             o = d.option
             tuning = f"prefetch={o.prefetch}, resident_layers={o.resident_layers}" \
                 if o.mode is ResidencyMode.LAYERWISE_OFFLOAD else "-"
-            rows.append((d.name, _fmt(d.nbytes), o.mode.value, tuning, _fmt(o.moved), d.why))
+            rows.append((d.name, format_bytes(d.nbytes), o.mode.value, tuning, format_bytes(o.moved), d.why))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"residency plan for a device budget of {_fmt(self.budget_bytes)} "
+        lines = [f"residency plan for a device budget of {format_bytes(self.budget_bytes)} "
                  f"(measured from {self.measured_from}; link {self.bandwidth / 1e9:.2f} GB/s"
-                 + (f"; activation reserve {_fmt(self.activation_reserve)}"
+                 + (f"; activation reserve {format_bytes(self.activation_reserve)}"
                     if self.activation_reserve else "") + ")"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                   for r in rows]
-        lines.append(f"predicted: peak {_fmt(self.predicted_peak_bytes)}, "
+        lines.append(f"predicted: peak {format_bytes(self.predicted_peak_bytes)}, "
                      f"{self.predicted_seconds * 1e3:.2f} ms per request, "
-                     f"{_fmt(self.moved_bytes_per_request)} moved per request "
+                     f"{format_bytes(self.moved_bytes_per_request)} moved per request "
                      f"(planned in {self.planner_seconds * 1e3:.1f} ms)")
         if self.runners_up:
             lines.append("runners-up:")
             for r in self.runners_up:
                 layout = ", ".join(f"{n}={label}" for n, label in r.layout)
                 lines.append(f"  +{r.worse_by * 100:.1f}% ({r.predicted_seconds * 1e3:.2f} ms, "
-                             f"peak {_fmt(r.predicted_peak_bytes)}): {layout}")
+                             f"peak {format_bytes(r.predicted_peak_bytes)}): {layout}")
         else:
             lines.append("runners-up: none (no other feasible layout)")
         return "\n".join(lines)
@@ -573,7 +565,7 @@ def _why(name: str, chosen: Option, options: Sequence[Option], layout: Mapping[s
     alt = min(faster, key=lambda o: o.seconds)
     peak = predict({**layout, name: alt}, uses, reserve)
     return f"{alt.label()} would save {(chosen.seconds - alt.seconds) * 1e3:.2f} ms but " \
-           f"peak at {_fmt(peak)}, over the budget by {_fmt(max(0, peak - budget))}"
+           f"peak at {format_bytes(peak)}, over the budget by {format_bytes(max(0, peak - budget))}"
 
 
 def make_plan(measurements: Measurements, budget: int, *, planner_started: float) -> ResidencyPlan:

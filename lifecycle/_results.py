@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ._checkpoint import gbps
 from ._phase import Phase
+from ._units import gbps
 
 __all__ = ["ComponentPlacement", "OccupationResult", "PlacementReport", "ResidencyChange",
            "TensorHashCheck", "UpdateResult", "WeightUpdateGroupResult", "WeightUpdateGroupState"]

@@ -33,9 +33,11 @@ from strategies.protocol import (
 )
 
 from . import _events as events
+from ._errors import InvalidRequest
 from ._events import get_logger
 
-__all__ = ["UpdatePlan", "UpdateRefused", "checksum", "plan_from_disk", "plan_from_tensors"]
+__all__ = ["UpdatePlan", "UpdateRefused", "checksum", "plan_from_disk", "plan_from_tensors",
+           "version_label"]
 
 _log = get_logger("lifecycle.updates")
 
@@ -278,3 +280,11 @@ def checksum(store: TensorStore) -> str:
         if c.numel():  # hashed in place, without a copy into a bytes object
             h.update((ctypes.c_char * c.nbytes).from_address(c.data_ptr()))
     return h.hexdigest()
+
+
+def version_label(weight_version: object) -> str | None:
+    """A ``weight_version`` label: a string, or None for none."""
+    if weight_version is None or isinstance(weight_version, str):
+        return weight_version
+    raise InvalidRequest("weight_version", f"weight_version must be a string, got "
+                                           f"{type(weight_version).__name__}")

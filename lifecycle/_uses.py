@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -29,7 +30,10 @@ from ._errors import NOT_INITIALIZED, ComponentAsleep, TransitionRejected, failu
 from ._events import get_logger
 from ._phase import Phase
 
-__all__ = ["Component", "UseRecord", "Uses"]
+if TYPE_CHECKING:
+    from ._components import Components
+
+__all__ = ["Component", "Recording", "UseRecord", "Uses"]
 
 _log = get_logger("lifecycle")
 
@@ -81,6 +85,15 @@ class UseRecord:
 
 
 @dataclass(eq=False)
+class Recording:
+    """What the planner's warm-up records: every use, and the root forwards per component
+    (counted by the planner's forward pre-hooks)."""
+
+    uses: list[UseRecord] = field(default_factory=list)
+    forwards: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
 class _Request:
     order: tuple[str, ...]
     tg: anyio.abc.TaskGroup
@@ -95,40 +108,45 @@ def _stalled(c: Component) -> float:
 
 
 class Uses:
-    """Leases, placement around uses, and request-level prefetch for one controller."""
+    """Leases, placement around uses, and request-level prefetch for one controller.
 
-    def __init__(self, admission: Admission, layer: DeviceLayer, phase: Callable[[], Phase],
-                 wake: Callable[[], Awaitable[object]], rank: int, controller_id: int = 0) -> None:
+    ``components``: the controller's registry (read here, changed only by the controller);
+    ``rank``: the controller's rank now (named in events, with ``controller_id``)."""
+
+    def __init__(self, admission: Admission, layer: DeviceLayer, components: Components,
+                 phase: Callable[[], Phase], wake: Callable[[], Awaitable[object]],
+                 rank: Callable[[], int], controller_id: int = 0, *, auto_wake: bool = False,
+                 prefetch_components: bool = True, prefetch_headroom: int = 2**30) -> None:
         self.admission = admission
         self.layer = layer
+        self.components = components
         self.phase = phase
         self.wake = wake
         self.rank = rank
-        self.controller_id = controller_id  # named in events
-        self.components: dict[str, Component] = {}
-        self.auto_wake = False
-        self.prefetch_components = True
-        self.prefetch_headroom = 2**30  # bytes a request prefetch leaves free (see _prefetch_next)
+        self.controller_id = controller_id
+        self.auto_wake = auto_wake
+        self.prefetch_components = prefetch_components
+        self.prefetch_headroom = prefetch_headroom  # bytes a prefetch leaves free (_prefetch_next)
         # The request this task is in, *for this controller*: one variable per controller,
         # so a use of another controller inside our request is none of our business.
         self._request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar(
             f"residency_request_{id(self):x}", default=None)
-        # Set by the planner's warm-up: every use is recorded here (see UseRecord).
-        self.recorder: list[UseRecord] | None = None
-        self.forwards: dict[str, int] = {}  # root forwards per component while recording
+        self._recording: Recording | None = None  # the planner's warm-up, while it runs
 
-    def component(self, name: str) -> Component:
+    @contextmanager
+    def recording(self, into: Recording) -> Iterator[Recording]:
+        """Record every use into ``into`` for the length of the with-block."""
+        self._recording = into
         try:
-            return self.components[name]
-        except KeyError:
-            raise KeyError(f"no component {name!r}; components: {sorted(self.components)}") \
-                from None
+            yield into
+        finally:
+            self._recording = None
 
     # -- use ---------------------------------------------------------------------------
     @asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[nn.Module]:
         await self._admit(name)
-        c = self.component(name)
+        c = self.components.component(name)
         refuse_stale([c])  # discarded weights not updated yet serve nothing
         lease = self.admission.take(name)
         t0 = time.perf_counter()
@@ -136,21 +154,24 @@ class Uses:
             await self._acquire(c)
             try:
                 self._prefetch_next(name)
-                t1, stalled, forwards = time.perf_counter(), _stalled(c), self.forwards.get(name, 0)
+                t1, stalled, forwards = time.perf_counter(), _stalled(c), self._forwards(name)
                 yield c.module
                 t2 = time.perf_counter()
             finally:
                 with anyio.CancelScope(shield=True):
                     await self._release(c)
-            if self.recorder is not None:
+            if self._recording is not None:
                 req = self._request.get()
-                self.recorder.append(UseRecord(
-                    name, self.forwards.get(name, 0) - forwards,
+                self._recording.uses.append(UseRecord(
+                    name, self._forwards(name) - forwards,
                     max(0.0, t2 - t1 - (_stalled(c) - stalled)),
                     (t1 - t0) + (time.perf_counter() - t2) + (_stalled(c) - stalled),
                     None if req is None else id(req), () if req is None else req.order))
         finally:
             self.admission.give(lease)
+
+    def _forwards(self, name: str) -> int:
+        return 0 if self._recording is None else self._recording.forwards.get(name, 0)
 
     async def _admit(self, name: str) -> None:
         if self._request.get() is not None:
@@ -204,7 +225,7 @@ class Uses:
                 # The component stays where it is (consistent, mirror not current); the
                 # next sleep copies it. Reported, not raised over the user's own result.
                 _log.warning(events.USE_RELEASE_FAILED, component=c.name,
-                             error=f"{type(exc).__name__}: {exc}", rank=self.rank,
+                             error=f"{type(exc).__name__}: {exc}", rank=self.rank(),
                              controller=self.controller_id)
 
     # -- request and prefetch ----------------------------------------------------------
@@ -287,7 +308,7 @@ class Uses:
                                 return
                 except Exception as exc:
                     _log.warning(events.PREFETCH_FAILED, component=c.name,
-                                 error=f"{type(exc).__name__}: {exc}", rank=self.rank,
+                                 error=f"{type(exc).__name__}: {exc}", rank=self.rank(),
                                  controller=self.controller_id)
         finally:
             # Also when the request's task group cancelled this task (its body raised) before

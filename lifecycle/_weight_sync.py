@@ -639,7 +639,17 @@ class WeightSync:
         if not left:
             return
         t0 = time.perf_counter()
-        scratch = group.staging(max(_align(s.nbytes) for s in left))
+        largest = max(left, key=lambda s: s.nbytes)
+        try:
+            scratch = group.staging(_align(largest.nbytes))
+        except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:
+            # A tensor announced too large to be held (a hostile or mistaken shape): the
+            # broadcast cannot be followed, so the group is out of step with the trainer.
+            size = (f"{largest.nbytes} bytes" if largest.nbytes < 2**64
+                    else f"about 2**{largest.nbytes.bit_length() - 1} bytes")
+            group.mark_broken(f"the update announced {largest.name[:100]!r} of {size}, which "
+                              f"cannot be received here ({type(exc).__name__})")
+            return
         try:
             for spec in left:
                 await group.receive([spec], _views(scratch, [spec]), request.timeout,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checkpoint import unique_tensors
+from ._units import parse_size  # (re-exported: drills, benchmarks and tests size the demo)
 
 __all__ = ["DemoConfig", "DemoPipeline", "DiTBlock", "parse_size"]
 
@@ -46,29 +46,6 @@ PROMPT_LEN = 16
 T_FREQ_DIM = 256  # sinusoidal timestep features
 _POOL = 4_194_301  # prime: windows of the random pool never line up with row widths
 _MB = 2**20
-
-# -- sizes ---------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1,
-          "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12,
-          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
-          "ti": 2**40, "tib": 2**40}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: ``"1000"``, ``"512k"``, ``"256MB"``, ``"1.5GiB"`` (case-insensitive).
-
-    Decimal units (k, KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB)
-    powers of 1024; a fractional result is rounded down to whole bytes."""
-    match = _SIZE_RE.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"invalid size {text!r}; expected a number with an optional unit, "
-                         "e.g. '1000', '512k', '256MB', '1.5GiB' (units: B, k/KB, MB, GB, TB "
-                         "are powers of 1000; KiB, MiB, GiB, TiB powers of 1024)")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 # -- modules -------------------------------------------------------------------------

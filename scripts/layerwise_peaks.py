@@ -61,8 +61,7 @@ async def measure(case: ModelCase, prefetch: int, lists: str, repeats: int,
                 raise SystemExit(f"{case.name}: output differs from the plain model's")
     strategy = ctl.strategy("m")
     bound = strategy.peak_bound()  # type: ignore[attr-defined]
-    store = strategy.store
-    total = store.nbytes + sum(d.full_nbytes() for d in store.derived)
+    total = strategy.store.nbytes  # (recomputed weight_norm/spectral_norm weights included)
     plain = build(case, depth)
     base = []
     for _ in range(repeats):

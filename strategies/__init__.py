@@ -18,7 +18,7 @@ from ._config import (
 )
 from ._cuda import CudaDevice
 from ._device import CopyHandle, CpuDevice, DeviceLayer, UnsupportedCompute, resolve_device
-from ._errors import ResidencyError
+from ._errors import ResidencyError, StoreError
 from ._factory import ComponentResidencyError, is_fsdp_managed
 from ._layers import make_device_layer
 from ._layerwise import (
@@ -29,7 +29,6 @@ from ._layerwise import (
     is_layerwise_offloaded,
     layerwise_blocks,
 )
-from ._store import StoreError
 
 __all__ = [
     "DIT_GROUP",

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from ._config import ResidencyMode
-from ._store import Move, TensorStore, Unit
+from ._inventory import Unit
+from ._store import Move, TensorStore
 
 __all__ = ["ResidencyStrategy"]
 

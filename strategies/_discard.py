@@ -30,7 +30,9 @@ import anyio.to_thread
 import torch
 
 from ._device import CopyPair, Tier
-from ._store import ALIGN, Move, Progress, TensorStore, Unit, _Storage, forget_locals
+from ._errors import undo_on_failure
+from ._inventory import Storage, Unit, aligned
+from ._store import Move, Progress, TensorStore
 from ._write import cancel_refresh
 
 __all__ = ["DiscardMove", "Discarded", "UndiscardMove", "prepare_discard", "prepare_undiscard"]
@@ -61,7 +63,7 @@ def _placeholder(t: torch.Tensor) -> torch.Tensor:
     return one.expand(t.shape)
 
 
-def _dropped(st: _Storage, drop: set[int]) -> bool:
+def _dropped(st: Storage, drop: set[int]) -> bool:
     return all(id(slot) in drop for slot in st.slots)
 
 
@@ -136,7 +138,7 @@ async def prepare_discard(store: TensorStore, everything: bool,
     ids = {id(u) for u in emptied}
     move = DiscardMove(store, drop, Discarded(emptied))
     pairs: list[CopyPair] = []
-    try:
+    async with undo_on_failure(move.undo, pairs):
         rest = [u for u in store.units if id(u) not in ids and u.where == "device"]
         if rest:
             move.normal = await store.prepare_to_host(rest, progress=progress)
@@ -145,7 +147,7 @@ async def prepare_discard(store: TensorStore, everything: bool,
         size = 0
         for st in kept:
             move.discarded.offsets[id(st)] = size
-            size += (st.nbytes + ALIGN - 1) // ALIGN * ALIGN
+            size += aligned(st.nbytes)
         if kept:
             buffer = move.discarded.buffer = await _alloc(store, size, "host")
             for st in kept:
@@ -154,12 +156,6 @@ async def prepare_discard(store: TensorStore, everything: bool,
                 pairs.append((buffer[move.discarded.offsets[id(st)]:][:st.nbytes], source))
             await store.copy_pairs(pairs, "host", progress)
             move.bytes_copied += sum(st.nbytes for st in kept)
-    except BaseException as exc:
-        await move.undo()
-        forget_locals(exc)
-        raise
-    finally:
-        pairs.clear()
     return move
 
 
@@ -216,7 +212,7 @@ async def prepare_undiscard(store: TensorStore, awake: list[Unit],
     on_device = {id(u) for u in awake}
     move = UndiscardMove(store, [])
     pairs: dict[Tier, list[CopyPair]] = {"device": [], "host": []}
-    try:
+    async with undo_on_failure(move.undo, pairs):
         rest = [u for u in awake if id(u) not in emptied and u.where == "host"]
         if rest:
             move.normal = await store.prepare_to_device(rest, progress)
@@ -239,10 +235,4 @@ async def prepare_undiscard(store: TensorStore, awake: list[Unit],
             if pairs[tier]:
                 await store.copy_pairs(pairs[tier], tier, progress)
                 move.bytes_copied += sum(int(dst.nbytes) for dst, _ in pairs[tier])
-    except BaseException as exc:
-        await move.undo()
-        forget_locals(exc)
-        raise
-    finally:
-        pairs.clear()
     return move

@@ -10,6 +10,7 @@ from ._base import ResidencyStrategy
 from ._config import LayerwiseTuning, ResidencyConfig, ResidencyMode
 from ._device import DeviceLayer
 from ._errors import ResidencyError
+from ._inventory import Unit
 from ._layers import make_device_layer
 from ._layerwise import (
     LayerwiseOffloadStrategy,
@@ -22,7 +23,7 @@ from ._layerwise import (
 )
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._resident import ResidentStrategy
-from ._store import TensorStore, Unit
+from ._store import TensorStore
 
 __all__ = ["ComponentResidencyError", "Shape", "build_strategy", "is_fsdp_managed"]
 

@@ -31,7 +31,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ._base import ResidencyStrategy
 from ._config import LayerwiseTuning, ResidencyMode
-from ._store import Fetch, Move, TensorStore, Unit
+from ._inventory import Unit
+from ._store import Fetch, Move, TensorStore
 
 __all__ = [
     "LayerwiseOffloadStrategy",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from ._base import ResidencyStrategy
 from ._config import ResidencyMode
-from ._store import Move, Unit
+from ._inventory import Unit
+from ._store import Move
 
 __all__ = ["ComponentOffloadStrategy", "SnapshotOffloadStrategy"]
 

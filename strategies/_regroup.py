@@ -28,7 +28,9 @@ import anyio.to_thread
 import torch
 
 from ._device import CopyPair, Tier
-from ._store import Progress, TensorStore, Unit, _Storage, forget_locals
+from ._errors import undo_on_failure
+from ._inventory import Storage, Unit
+from ._store import Progress, TensorStore
 
 __all__ = ["RegroupMove", "RestoreMove", "needs_restore", "prepare_regroup", "prepare_restore"]
 
@@ -112,7 +114,7 @@ def _alloc_all(store: TensorStore, placements: list[_Placement]) -> None:
         p.buf = store.layer.alloc(p.unit.nbytes, p.to)
 
 
-def _same_storages(new: Unit, old_of: dict[int, _Storage], old: TensorStore) -> Unit | None:
+def _same_storages(new: Unit, old_of: dict[int, Storage], old: TensorStore) -> Unit | None:
     """The old unit holding exactly ``new``'s storages in the same order, if any."""
     mapped = [old_of[id(st)] for st in new.storages]
     unit, _, _ = old.locate(mapped[0])
@@ -129,7 +131,7 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
     device_ids = {id(u) for u in on_device}
     move = RegroupMove(new, old, [])
     pairs: dict[Tier, list[CopyPair]] = {"device": [], "host": []}
-    try:
+    async with undo_on_failure(move.undo, pairs):
         fresh: list[_Placement] = []  # filled from wherever the bytes are, into a new buffer
         for unit in new.units:
             to: Tier = "device" if id(unit) in device_ids else "host"
@@ -165,12 +167,6 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
             if pairs[to]:
                 await new.copy_pairs(pairs[to], to, progress)
                 move.bytes_copied += sum(int(d.nbytes) for d, _ in pairs[to])
-    except BaseException as exc:
-        await move.undo()
-        forget_locals(exc)
-        raise
-    finally:
-        pairs.clear()
     return move
 
 
@@ -182,7 +178,7 @@ class RestoreMove:
     fail); the store is done with after."""
 
     store: TensorStore
-    buffers: list[tuple[list[_Storage], torch.Tensor]]
+    buffers: list[tuple[list[Storage], torch.Tensor]]
     bytes_copied: int = 0
 
     def commit(self) -> None:
@@ -216,12 +212,12 @@ def needs_restore(store: TensorStore) -> bool:
 
 async def prepare_restore(store: TensorStore, progress: Progress | None = None) -> RestoreMove:
     """Prepare giving ``store``'s module its original storages back, on the host."""
-    groups: dict[tuple[int, int], list[_Storage]] = {}
+    groups: dict[tuple[int, int], list[Storage]] = {}
     for st in store.storages():
         groups.setdefault(st.origin, []).append(st)
     move = RestoreMove(store, [])
     pairs: list[CopyPair] = []
-    try:
+    async with undo_on_failure(move.undo, pairs):
         for (_, nbytes), storages in groups.items():
             buf = store.layer.alloc(nbytes, "host", pinned=False)
             move.buffers.append((storages, buf))
@@ -230,10 +226,4 @@ async def prepare_restore(store: TensorStore, progress: Progress | None = None) 
                       if (source := store.source_of(st, "host")) is not None]
         await store.copy_pairs(pairs, "host", progress)
         move.bytes_copied = sum(int(d.nbytes) for d, _ in pairs)
-    except BaseException as exc:
-        await move.undo()
-        forget_locals(exc)
-        raise
-    finally:
-        pairs.clear()
     return move

@@ -1,11 +1,12 @@
-"""The tensors of one component and where their bytes live.
+"""Where one component's tensors live, and the moves that change it.
 
-A :class:`TensorStore` takes inventory of a module once: every parameter and buffer
-(persistent or not), each tensor object once (tied weights), grouped by the storage they
-share (views), grouped again into *units* that move together. A unit is one storage for the
-resident strategy (each tensor keeps a storage of its own on the device, as usual in torch,
-so users' state dicts look as before), the whole component for the offload strategies, and
-one layer for layerwise offload (one flat buffer, so one copy moves a whole layer).
+A :class:`TensorStore` takes inventory of a module once (:mod:`strategies._inventory`):
+every parameter and buffer (persistent or not), each tensor object once (tied weights),
+grouped by the storage they share (views), grouped again into *units* that move together. A
+unit is one storage for the resident strategy (each tensor keeps a storage of its own on the
+device, as usual in torch, so users' state dicts look as before), the whole component for the
+offload strategies, and one layer for layerwise offload (one flat buffer, so one copy moves a
+whole layer).
 
 Every unit has a host mirror, allocated the first time it is needed and reused for the life
 of the store (pinned on CUDA). Tensor objects never change identity: placement is changed by
@@ -23,177 +24,28 @@ counter; call :meth:`TensorStore.mark_dirty` after such writes.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import threading
-import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import torch
 from torch import nn
-from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.nn.utils.weight_norm import WeightNorm
 
 from ._chunks import chunked
 from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
-from ._errors import ResidencyError
+from ._errors import StoreError, undo_on_failure
+from ._inventory import Derived, Inventory, Slot, Storage, Unit, take_inventory
 from ._write import WriteMove, WriteSource, cancel_refresh, land_refresh, prepare_write
 
 if TYPE_CHECKING:
     from ._discard import Discarded
 
-__all__ = ["ALIGN", "CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreError", "StoreReport",
-           "TensorStore", "Unit", "forget_locals"]
+__all__ = ["CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreReport", "TensorStore"]
 
-# Byte alignment of every storage inside a unit buffer: keeps dtype views legal, and GEMM
-# libraries pick the same kernels as for a fresh allocation (they look at pointer alignment).
-ALIGN = 256
-WHOLE = "(component)"  # the unit key of a store made with whole=True
 CHUNK = 256 * 2**20  # bytes per copy batch: progress and cancellation points in between
 Progress = Callable[[int], None]  # told the bytes of each copied chunk
-
-
-class StoreError(ResidencyError, ValueError):
-    """A module's tensors cannot be managed (meta, sparse, on a foreign device, drifted)."""
-
-
-def forget_locals(exc: BaseException) -> None:
-    """Drop the local variables of the frames ``exc`` passed through (file and line stay).
-
-    A failed copy's traceback holds the frames that held the copy's buffers, and exceptions
-    sit in reference cycles (anyio's futures, task groups) that only the cyclic collector
-    breaks: without this, device memory a rollback released stays allocated until then."""
-    traceback.clear_frames(exc.__traceback__)
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One tensor object (a Parameter or a buffer), however many names it has."""
-
-    tensor: torch.Tensor
-    names: list[str]
-    byte_offset: int  # of the tensor's first element inside its storage
-    host_view: torch.Tensor | None = None  # view into the unit's mirror, made once
-    version: int = -1  # tensor._version when the mirror last matched / last re-pointed
-    ptr: int = 0  # tensor.data_ptr() when last re-pointed
-    # A parameter or persistent buffer (a ``state_dict()`` tensor): what an update can bring
-    # back, so what a discarding sleep may drop (see strategies._discard).
-    state: bool = False
-    stale: bool = False  # discarded: its contents are undefined until an update writes it
-    # Its strides in its storage (a discarded tensor's placeholder has others).
-    stride: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.stride:
-            self.stride = tuple(self.tensor.stride())
-
-    def view_of(self, buf: torch.Tensor, byte_offset: int) -> torch.Tensor:
-        """A tensor with this slot's dtype, shape and strides over ``buf`` at ``byte_offset``."""
-        t = self.tensor
-        itemsize = t.element_size()
-        start = buf.storage_offset() + byte_offset + self.byte_offset
-        return torch.empty(0, dtype=t.dtype, device=buf.device).set_(
-            buf.untyped_storage(), start // itemsize, t.shape, self.stride)
-
-    def record(self) -> None:
-        self.version = self.tensor._version
-        self.ptr = self.tensor.data_ptr()
-
-
-@dataclass(eq=False)
-class _Storage:
-    """One untyped storage (or one self-contained region of it) and the tensor objects that
-    view it."""
-
-    nbytes: int
-    slots: list[_Slot]
-    offset: int = 0  # inside the unit's buffers
-    base: int = 0  # where the region starts in the untyped storage the tensors view now
-    # The storage the module came with: (token, its bytes); regions split from one storage
-    # share it, so that detach can give the module its storages back as they were.
-    origin: tuple[int, int] = (0, 0)
-
-    def __post_init__(self) -> None:
-        if self.origin == (0, 0):
-            self.origin = (next(_origins), self.nbytes)
-
-    def source_bytes(self) -> torch.Tensor:
-        """The storage's live bytes, wherever they are, as a 1-D uint8 tensor."""
-        t = self.slots[0].tensor
-        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-        return whole[self.base:self.base + self.nbytes]
-
-
-_origins = itertools.count(1)
-
-
-def _span(t: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to just past its last one in its storage."""
-    if t.numel() == 0:
-        return 0
-    elements = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(),
-                                                                         strict=True))
-    return elements * t.element_size()
-
-
-def _split(st: _Storage) -> list[_Storage]:
-    """A storage whose tensors fall into disjoint byte ranges (a flat buffer several
-    parameters were packed into, as another offloading tool or a previous flat placement
-    leaves them) as one region per group of overlapping tensors, so that each region can
-    move on its own (one layer's weights with its layer). Views that overlap stay together;
-    a storage with one group is returned as it is."""
-    if len(st.slots) < 2:
-        return [st]
-    ranges = sorted(((s.byte_offset, s.byte_offset + _span(s.tensor)), s) for s in st.slots)
-    groups: list[tuple[int, int, list[_Slot]]] = []
-    for (start, end), slot in ranges:
-        if groups and start < groups[-1][1]:
-            g_start, g_end, members = groups[-1]
-            groups[-1] = (g_start, max(g_end, end), [*members, slot])
-        else:
-            groups.append((start, end, [slot]))
-    if len(groups) == 1:
-        return [st]
-    out = []
-    for start, end, members in groups:
-        for slot in members:
-            slot.byte_offset -= start
-        out.append(_Storage(end - start, members, base=start, origin=st.origin))
-    return out
-
-
-@dataclass(eq=False)
-class Unit:
-    """Storages that move together: one host region, one device buffer."""
-
-    key: str
-    storages: list[_Storage]
-    nbytes: int = 0
-    where: Tier = "device"
-    host: torch.Tensor | None = None
-    device_buf: torch.Tensor | None = None  # our own device buffer (None: adopted storages)
-    mirror_current: bool = False
-    slot_list: list[_Slot] = field(default_factory=list)  # flattened: hot loops use it
-
-    def __post_init__(self) -> None:
-        self.slot_list = [slot for st in self.storages for slot in st.slots]
-
-    def dirty(self) -> bool:
-        """Whether the mirror may differ from the device bytes."""
-        if not self.mirror_current:
-            return True
-        # A plain loop, not any(generator): a clean sleep runs this once per unit.
-        for s in self.slot_list:  # noqa: SIM110
-            if s.tensor._version != s.version:
-                return True
-        return False
 
 
 @dataclass(frozen=True)
@@ -290,119 +142,20 @@ class Fetch:
         self.store.add_pending(-self.unit.nbytes)
 
 
-_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
-
-
-@functools.cache
-def _dtensor_type() -> type | None:
-    """DTensor, imported once, on first need (it pulls in torch.distributed)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return DTensor
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    kind = _dtensor_type()
-    return kind is not None and isinstance(t, kind)
-
-
-@dataclass(eq=False)
-class _Registration:
-    """One place a tensor is found: ``table[key] is tensor``."""
-
-    name: str
-    tensor: torch.Tensor
-    owner: nn.Module
-    kind: str  # "parameter", "buffer" or "attribute"
-    table: Any
-    key: object
-
-
-@dataclass(eq=False)
-class _Derived:
-    """A tensor attribute a forward pre-hook recomputes from the module's parameters on every
-    forward (``torch.nn.utils.weight_norm``'s ``weight``, ``spectral_norm``'s). It is not
-    stored: when its parameters leave the device it is released (an empty placeholder; the
-    hook recomputes it before any forward), when they are all back it is recomputed there,
-    bit for bit what the hook computes."""
-
-    module: nn.Module
-    name: str
-    hook: Any
-    sources: list[Unit] = field(default_factory=list)
-
-    def full_nbytes(self) -> int:
-        """Bytes of the attribute when computed: the size of the weight it stands for."""
-        source = "_v" if isinstance(self.hook, WeightNorm) else "_orig"
-        weight = getattr(self.module, self.name + source)
-        return int(weight.nbytes)
-
-    def nbytes(self) -> int:
-        """Device bytes the attribute holds now (0 once released)."""
-        value = getattr(self.module, self.name, None)
-        placed = all(u.where == "device" for u in self.sources)
-        return value.nbytes if placed and isinstance(value, torch.Tensor) else 0
-
-    def refresh(self, placed: bool, track: Callable[[torch.Tensor], None] | None = None) -> None:
-        current = getattr(self.module, self.name, None)
-        dtype = current.dtype if isinstance(current, torch.Tensor) else torch.float32
-        with torch.no_grad():
-            if not placed:
-                value = torch.empty(0, dtype=dtype)
-            elif isinstance(self.hook, SpectralNorm):
-                value = self.hook.compute_weight(self.module, do_power_iteration=False)
-            else:
-                value = self.hook.compute_weight(self.module)
-        setattr(self.module, self.name, value)
-        if placed and track is not None:
-            track(value)
-
-
-def _unview(t: torch.Tensor) -> None:
-    """Make ``t`` (same Python object, same storage, same bytes) stop being a view.
-
-    A view keeps its ``_base`` tensor alive, and ``.data = other`` does not drop it: a buffer
-    registered as a slice of a temporary (``pe[:, :n]``, ``arange(n).expand(1, -1)``,
-    ``weight.detach()[0]``) would keep that temporary's *original* storage, on the device,
-    alive after every sleep. ``torch.utils.swap_tensors`` gives the object a plain alias of
-    its storage instead. Not done for a view that requires grad (its base is a parameter,
-    which moves with it), a tensor subclass, or one with weak references (which swapping
-    refuses): those keep their base."""
-    if t._base is None or t.requires_grad or type(t) is not torch.Tensor:
-        return  # (a subclass: swapping would hand the object another class)
-    with torch.inference_mode(False):  # (an attach under inference_mode: a normal tensor)
-        alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-    try:
-        torch.utils.swap_tensors(t, alias)  # type: ignore[no-untyped-call]
-    except RuntimeError:
-        return  # weakly referenced: left a view (its base stays alive)
-
-
-def _derived_of(module: nn.Module) -> list[_Derived]:
-    return [_Derived(module, h.name, h) for h in module._forward_pre_hooks.values()
-            if isinstance(h, WeightNorm | SpectralNorm)]
-
-
 class TensorStore:
     """The inventory and placement of one component's tensors.
 
     ``layers``: dotted prefixes (``"blocks.3"``) whose tensors form one unit each; every other
     storage is a unit of its own. ``whole``: the whole component is one unit (one host buffer,
-    one device buffer, one copy): for components that always move together.
+    one device buffer, one copy): for components that always move together. ``layout``:
+    another store of the same module whose storages are taken over (see
+    :func:`~strategies._inventory.take_inventory`).
     """
 
     def __init__(self, name: str, module: nn.Module, layer: DeviceLayer,
                  layers: Sequence[str] = (), *, whole: bool = False,
                  refuse_dtensors: bool = True, layout: TensorStore | None = None) -> None:
         self.name = name
-        # ``layout``: another store of the same module whose storages (which tensors share
-        # storage, each storage's size) are taken over instead of those the tensors point
-        # into now: after a whole-component or per-layer move every tensor views one flat
-        # buffer, and a new grouping must still see the storages the module came with.
-        self._layout = layout
         self.module = module
         self.layer = layer
         self.layer_keys = tuple(layers)
@@ -414,146 +167,93 @@ class TensorStore:
         # Asleep after a discarding sleep: what it kept (strategies._discard), else None.
         self.discarded: Discarded | None = None
         self._pending_lock = threading.Lock()  # forward hooks run in worker threads too
-        self.units: list[Unit] = []
-        self.by_key: dict[str, Unit] = {}
-        self._all_slots: list[_Slot] = []
-        self.stale_count = 0  # tensors whose contents are undefined (see count_stale)
-        self._inventory()
-        self._layout = None  # taken over: do not keep the other store (and its buffers) alive
+        # (``layout``'s inventory is taken over, not the store: its buffers are not kept alive.)
+        self._take(layout.inventory if layout is not None else None)
 
     def add_pending(self, nbytes: int) -> None:
         """Count device bytes allocated for a move in flight (negative: no longer)."""
         with self._pending_lock:
             self.pending_bytes += nbytes
 
-    # -- inventory -----------------------------------------------------------------
-    def _registrations(self) -> list[_Registration]:
-        """Every tensor reachable from the module's tree: parameters and buffers first, then
-        plain tensor attributes (``_``-prefixed too) and tensors in list, tuple and dict
-        attributes (rotary tables, caches). Attributes a forward pre-hook recomputes from
-        parameters (``weight_norm``, ``spectral_norm``) are not tensors of their own: see
-        :class:`_Derived`."""
-        out: list[_Registration] = []
-        attrs: list[_Registration] = []
-        for prefix, sub in self.module.named_modules(remove_duplicate=False):
-            dot = f"{prefix}." if prefix else ""
-            for kind, table in (("parameter", sub._parameters), ("buffer", sub._buffers)):
-                out += [_Registration(dot + n, t, sub, kind, table, n)
-                        for n, t in table.items() if t is not None]
-            derived = {d.name for d in _derived_of(sub)}
-            for attr, value in vars(sub).items():
-                if attr in _MODULE_TABLES or attr in derived:
-                    continue
-                if isinstance(value, torch.Tensor):
-                    attrs.append(_Registration(dot + attr, value, sub, "attribute",
-                                               sub.__dict__, attr))
-                    continue
-                items: list[tuple[object, object]] = []
-                if isinstance(value, list | tuple):
-                    items = list(enumerate(value))
-                elif isinstance(value, dict):
-                    items = list(value.items())
-                found = [(k, v) for k, v in items if isinstance(v, torch.Tensor)]
-                if found:
-                    # The container itself is watched too (a tuple is replaced, not edited).
-                    self._watch.append((sub.__dict__, attr, value))
-                attrs += [_Registration(f"{dot}{attr}[{k!r}]", v, sub, "attribute", value, k)
-                          for k, v in found]
-        # An attribute with no bytes (or none yet: meta) has nothing to place.
-        return out + [r for r in attrs if r.tensor.is_meta is False and r.tensor.numel()]
+    # -- inventory (see strategies._inventory) ---------------------------------------
+    def _take(self, layout: Inventory | None, stale: Collection[int] = ()) -> None:
+        self.inventory = take_inventory(
+            self.name, self.module, self.layer.device, self.layer_keys, whole=self.whole,
+            refuse_dtensors=self.refuse_dtensors, layout=layout, stale=stale)
+        if layout is None:
+            # The module's own device storages (attach, rescan) count as held. A regrouped
+            # store's are the old store's buffers, counted already (and on the CPU a host
+            # mirror is a "cpu" tensor too: never count it).
+            for u in self.inventory.units:
+                if u.where == "device":
+                    for slot in u.slot_list:
+                        self.layer.track(slot.tensor)
 
-    def _inventory(self) -> None:
-        # Stale tensors stay stale through a new inventory (a rescan, a regroup): their bytes
-        # are still undefined.
-        stale = {id(s.tensor) for s in self._all_slots if s.stale}
-        if self._layout is not None:
-            stale |= {id(s.tensor) for s in self._layout._all_slots if s.stale}
-        self._watch: list[tuple[Any, object, object]] = []
-        regs = self._registrations()
-        self._buffers_of: dict[int, list[_Slot]] = {}
-        # Where each tensor is found, to notice a replaced tensor cheaply.
-        self._watch += [(r.table, r.key, r.tensor) for r in regs]
-        slots: dict[int, _Slot] = {}
-        # DTensors of an FSDP-managed component are FSDP's to place: not inventoried (so not
-        # moved, updated or hashed by us), but their local shards count as device bytes.
-        fsdp_owned: dict[int, int] = {}
-        for r in regs:
-            self._check_tensor(r.name, r.tensor, r.kind)
-            t = r.tensor
-            if not self.refuse_dtensors and _is_dtensor(t):
-                fsdp_owned[id(t)] = int(t.to_local().nbytes)  # type: ignore[attr-defined]
-                continue
-            if id(t) not in slots:
-                _unview(t)
-                slots[id(t)] = _Slot(t, [], int(t.storage_offset()) * t.element_size())
-            slots[id(t)].names.append(r.name)
-            slots[id(t)].state |= r.kind == "parameter" or (
-                r.kind == "buffer" and r.key not in r.owner._non_persistent_buffers_set)
-            if r.kind == "buffer":
-                self._buffers_of.setdefault(id(r.owner), []).append(slots[id(t)])
-        if self._layout is not None:
-            regions = self._storages_from(self._layout, slots)
-        else:
-            storages: dict[tuple[str, int], _Storage] = {}
-            for slot in slots.values():
-                st = slot.tensor.untyped_storage()
-                key = (str(slot.tensor.device), st.data_ptr())
-                if key not in storages:
-                    storages[key] = _Storage(st.nbytes(), [])
-                storages[key].slots.append(slot)
-            regions = [r for st_ in storages.values() for r in _split(st_)]
-        grouped: dict[str, list[_Storage]] = {}
-        for st_ in regions:
-            grouped.setdefault(self._unit_key(st_), []).append(st_)
-        self.units = []
-        for layer_key, group in grouped.items():
-            if layer_key:
-                self.units.append(self._make_unit(layer_key, group))
-            else:
-                self.units += [self._make_unit(st_.slots[0].names[0], [st_]) for st_ in group]
-        self.by_key = {u.key: u for u in self.units}
-        self._by_name: dict[str, tuple[_Slot, Unit]] | None = None
-        self._all_slots = [slot for u in self.units for slot in u.slot_list]
-        for slot in self._all_slots:
-            slot.stale = id(slot.tensor) in stale
-        self.count_stale()
-        self._unit_of_storage = {id(st): u for u in self.units for st in u.storages}
-        for u in self.units:
-            on_device = all(s.tensor.device == self.layer.device for s in u.slot_list)
-            u.where = "device" if on_device else "host"
-            for slot in u.slot_list:
-                slot.record()
-                if self._layout is None and u.where == "device":
-                    # The module's own device storages (attach, rescan) count as held. A
-                    # regrouped store's are the old store's buffers, counted already (and on
-                    # the CPU a host mirror is a "cpu" tensor too: never count it).
-                    self.layer.track(slot.tensor)
-        self._inventory_derived(slots)
-        self.fsdp_bytes = sum(fsdp_owned.values())
+    @property
+    def units(self) -> list[Unit]:
+        return self.inventory.units
 
-    def _storages_from(self, layout: TensorStore, slots: dict[int, _Slot]) -> list[_Storage]:
-        """``layout``'s storages over this inventory's slots (same tensors, same offsets)."""
-        old = {id(s.tensor): s for u in layout.units for s in u.slot_list}
-        if old.keys() != slots.keys():
-            raise StoreError(f"component {self.name!r} changed structure since it was "
-                             "attached (tensors replaced, added or removed); cannot regroup it")
-        out: list[_Storage] = []
-        for st in layout.storages():
-            new_slots = []
-            for s in st.slots:
-                slot = slots[id(s.tensor)]
-                slot.byte_offset = s.byte_offset
-                new_slots.append(slot)
-            # ``base`` is where the region sits in the storage the tensors view *now*:
-            # wherever the old store placed it, its bytes are found through ``locate``.
-            out.append(_Storage(st.nbytes, new_slots, base=st.base, origin=st.origin))
-        return out
+    @property
+    def by_key(self) -> dict[str, Unit]:
+        return self.inventory.by_key
 
-    def storages(self) -> list[_Storage]:
+    @property
+    def derived(self) -> list[Derived]:
+        return self.inventory.derived
+
+    @property
+    def stale_count(self) -> int:
+        """Tensors whose contents are undefined (discarded), as last counted."""
+        return self.inventory.stale_count
+
+    def count_stale(self) -> int:
+        """Count the stale tensors again (after a move marked or cleared some)."""
+        return self.inventory.count_stale()
+
+    def stale_names(self) -> list[str]:
+        """The tensors whose contents are undefined (discarded), under their first names."""
+        return sorted(s.names[0] for s in self.inventory.slots if s.stale)
+
+    def storages(self) -> list[Storage]:
         """Every storage, in unit order."""
-        return [st for u in self.units for st in u.storages]
+        return self.inventory.storages()
 
-    def source_of(self, st: _Storage, to: Tier) -> torch.Tensor | None:
+    def structure_changed(self) -> list[str]:
+        """Names of tensors replaced or removed since inventory."""
+        return self.inventory.structure_changed()
+
+    def drifted(self) -> list[str]:
+        """Names of tensors re-pointed behind the store's back (``p.data = other``)."""
+        return self.inventory.drifted()
+
+    def derived_nbytes(self, unit: Unit) -> int:
+        """Device bytes of the derived attributes computed from ``unit``'s parameters while
+        it is placed (they come and go with it)."""
+        return self.inventory.derived_nbytes(unit)
+
+    def rescan(self) -> None:
+        """Take inventory again (after the module's structure changed while on device);
+        stale tensors stay stale."""
+        if any(u.where == "host" for u in self.units):
+            changed = self.structure_changed() or self.drifted()
+            raise StoreError(f"component {self.name!r} changed structure while offloaded: "
+                             f"tensor(s) {changed[:8]} were replaced behind the controller; "
+                             "only a resident component can be taken inventory of again")
+        self._take(None, self.inventory.stale_ids())
+
+    def note_training_forward(self, module: nn.Module) -> None:
+        """``module`` ran a forward in training mode: its buffers may have been written by
+        kernels that do not bump the version counter (batch-norm running statistics)."""
+        for slot in self.inventory.buffers_of.get(id(module), ()):
+            slot.version = -1
+
+    def mark_dirty(self) -> None:
+        """Declare every mirror stale (after writes that bypass the version counter)."""
+        for u in self.units:
+            if u.where == "device":
+                u.mirror_current = False
+
+    def source_of(self, st: Storage, to: Tier) -> torch.Tensor | None:
         """Storage ``st``'s current bytes to copy to tier ``to``: the copy already on that
         tier when there is one (no trip over the link), else the other; None for a storage a
         discarding sleep dropped (its bytes are gone)."""
@@ -561,11 +261,11 @@ class TensorStore:
         first, second = (on_device, on_host) if to == "device" else (on_host, on_device)
         return first if first is not None else second
 
-    def locate(self, st: _Storage) -> tuple[Unit, torch.Tensor | None, torch.Tensor | None]:
+    def locate(self, st: Storage) -> tuple[Unit, torch.Tensor | None, torch.Tensor | None]:
         """Where storage ``st``'s bytes are now: its unit, a device view and a host view of
         exactly its bytes (``None`` where it has none; the host view only if the mirror is
         current, i.e. equal to the device bytes or the live copy itself)."""
-        unit = self._unit_of_storage[id(st)]
+        unit = self.inventory.unit_of(st)
         device = host = None
         if unit.where == "device":
             device = (unit.device_buf[st.offset:st.offset + st.nbytes]
@@ -577,23 +277,6 @@ class TensorStore:
             host = self.discarded.buffer[offset:offset + st.nbytes]  # kept by a discarding sleep
         return unit, device, host
 
-    def _inventory_derived(self, slots: dict[int, _Slot]) -> None:
-        """Attach each recomputed attribute to the units holding its module's parameters."""
-        unit_of = {id(slot): u for u in self.units for slot in u.slot_list}
-        self.derived: list[_Derived] = []
-        for _, sub in self.module.named_modules():
-            for d in _derived_of(sub):
-                sources = {id(u): u for p in sub._parameters.values() if p is not None
-                           if (slot := slots.get(id(p))) is not None
-                           if (u := unit_of.get(id(slot))) is not None}
-                d.sources = list(sources.values())
-                self.derived.append(d)
-
-    def derived_nbytes(self, unit: Unit) -> int:
-        """Device bytes of the derived attributes computed from ``unit``'s parameters while
-        it is placed (they come and go with it)."""
-        return sum(d.full_nbytes() for d in self.derived if any(u is unit for u in d.sources))
-
     def refresh_derived(self, units: Iterable[Unit]) -> None:
         """After ``units`` moved: recompute the derived attributes whose parameters are all
         on the device now; release (an empty placeholder) those whose parameters left."""
@@ -603,88 +286,6 @@ class TensorStore:
         for d in self.derived:
             if any(id(u) in moved for u in d.sources):
                 d.refresh(all(u.where == "device" for u in d.sources), self.layer.track)
-
-    def _check_tensor(self, name: str, t: torch.Tensor, kind: str) -> None:
-        what = "tensor" if kind != "attribute" else "tensor attribute (neither parameter nor buffer)"
-        where = f"{what} {name!r} of component {self.name!r}"
-        if t.is_meta:
-            raise StoreError(f"{where} is on the meta device (no data); load real weights "
-                             "before attaching")
-        if t.is_inference():
-            raise StoreError(f"{where} is an inference tensor (made under torch.inference_mode): "
-                             "it cannot be tracked or updated in place; build or load the "
-                             "module outside inference_mode")
-        if t.layout != torch.strided:
-            raise StoreError(f"{where} has layout {t.layout}; only dense (strided) tensors "
-                             "are supported")
-        if t.device.type != "cpu" and t.device != self.layer.device:
-            raise StoreError(f"{where} is on {t.device}; expected {self.layer.device} or cpu")
-        if self.refuse_dtensors and _is_dtensor(t):
-            raise StoreError(
-                f"{where} is a DTensor (sharded by tensor parallelism): torch ignores a new "
-                "`.data` on it and its storage is not the local shard's, so it cannot be "
-                "released or restored; attach each rank's local modules unsharded, or keep the "
-                "component FSDP-managed and resident")
-
-    def _unit_key(self, st: _Storage) -> str:
-        """The layer a storage belongs to, or '' when it is not wholly inside one layer."""
-        if self.whole:
-            return WHOLE
-        keys = {self._layer_of(n) for s in st.slots for n in s.names}
-        return keys.pop() if len(keys) == 1 else ""
-
-    def _layer_of(self, name: str) -> str:
-        for key in self.layer_keys:
-            if name.startswith(key + "."):
-                return key
-        return ""
-
-    @staticmethod
-    def _make_unit(key: str, storages: list[_Storage]) -> Unit:
-        offset = end = 0
-        for st in storages:
-            st.offset = offset
-            end = offset + st.nbytes
-            offset = _align(end)
-        return Unit(key, storages, nbytes=end)
-
-    def structure_changed(self) -> list[str]:
-        """Names of tensors replaced or removed since inventory (a few look-ups per
-        tensor): ``p = nn.Parameter(...)`` assignments, caches a forward re-created."""
-        out = []
-        for table, key, obj in self._watch:
-            try:  # a plain look-up: this runs for every tensor before every sleep
-                if table[key] is obj:
-                    continue
-            except (KeyError, IndexError, TypeError):
-                pass
-            out.append(key if isinstance(key, str) else f"[{key!r}]")
-        return out
-
-    def rescan(self) -> None:
-        """Take inventory again (after the module's structure changed while on device)."""
-        if any(u.where == "host" for u in self.units):
-            changed = self.structure_changed() or self.drifted()
-            raise StoreError(f"component {self.name!r} changed structure while offloaded: "
-                             f"tensor(s) {changed[:8]} were replaced behind the controller; "
-                             "only a resident component can be taken inventory of again")
-        self._inventory()
-
-    def note_training_forward(self, module: nn.Module) -> None:
-        """``module`` ran a forward in training mode: its buffers may have been written by
-        kernels that do not bump the version counter (batch-norm running statistics)."""
-        for slot in self._buffers_of.get(id(module), ()):
-            slot.version = -1
-
-    def drifted(self) -> list[str]:
-        """Names of tensors re-pointed behind the store's back (``p.data = other``)."""
-        return [s.names[0] for s in self._all_slots if s.tensor.data_ptr() != s.ptr]
-
-    def mark_dirty(self) -> None:
-        """Declare every mirror stale (after writes that bypass the version counter)."""
-        for u in self.units:
-            if u.where == "device":
-                u.mirror_current = False
 
     # -- mirrors -------------------------------------------------------------------
     def ensure_mirror(self, unit: Unit) -> bool:
@@ -764,12 +365,9 @@ class TensorStore:
         unit.mirror_current = True
 
     # -- moves ---------------------------------------------------------------------
-    def slot_named(self, name: str) -> tuple[_Slot, Unit]:
+    def slot_named(self, name: str) -> tuple[Slot, Unit]:
         """The tensor called ``name`` (any of its names) and its unit; KeyError if none."""
-        if self._by_name is None:
-            self._by_name = {n: (slot, u) for u in self.units for slot in u.slot_list
-                             for n in slot.names}
-        return self._by_name[name]
+        return self.inventory.slot_named(name)
 
     def tensor_named(self, name: str) -> torch.Tensor | None:
         """The live tensor called ``name`` (parameter, buffer or attribute), if any."""
@@ -813,7 +411,7 @@ class TensorStore:
         """Allocate device buffers for ``units`` (on the host) and copy their mirrors in."""
         move = Move(self, "device", list(units))
         pairs: list[CopyPair] = []
-        try:
+        async with undo_on_failure(move.undo):
             for unit in move.units:
                 assert unit.where == "host" and unit.host is not None
                 buf = self.layer.alloc(unit.nbytes, "device")
@@ -822,10 +420,6 @@ class TensorStore:
                 self.add_pending(unit.nbytes)
                 pairs.append((buf, unit.host))
             await self.copy_pairs(pairs, "device", progress)
-        except BaseException as exc:
-            move.rollback()
-            forget_locals(exc)
-            raise
         move.bytes_copied = sum(u.nbytes for u in move.units)
         return move
 
@@ -835,7 +429,7 @@ class TensorStore:
         ``copy_back``); the device bytes are released at commit."""
         move = Move(self, "host", list(units))
         pairs: list[CopyPair] = []
-        try:
+        async with undo_on_failure(move.undo):
             # A mirror refresh still running after a weight update (strategies._write)
             # writes these mirrors and reads these device buffers: it lands first.
             await land_refresh(self)
@@ -853,10 +447,6 @@ class TensorStore:
                                      "current host copy to fall back to")
             if pairs:
                 await self.copy_pairs(pairs, "host", progress)
-        except BaseException as exc:
-            move.rollback()
-            forget_locals(exc)
-            raise
         return move
 
     # -- synchronous moves, for forward hooks ----------------------------------------
@@ -902,12 +492,27 @@ class TensorStore:
                 for st in unit.storages]
 
     # -- introspection -------------------------------------------------------------
+    # The attributes weight_norm and spectral_norm recompute from placed parameters count in
+    # the device bytes *and* in the total: they are device memory the component holds
+    # whenever those parameters are placed (computed at placement, counted in the peak, seen
+    # by the allocator), and the planner budgets them (``derived_nbytes``). Leaving them out
+    # of both would under-state what a placed component occupies; so the device bytes of an
+    # idle resident component equal its total. They are never on the host (recomputed, not
+    # copied): an asleep component's host bytes are its total less them. FSDP's local shards
+    # count in both the same way.
     @property
     def device_bytes(self) -> int:
-        """Bytes on the device: placed units, buffers of moves in flight, and derived
-        attributes recomputed from placed parameters."""
+        """Bytes on the device: placed units, buffers of moves in flight, derived attributes
+        recomputed from placed parameters, and FSDP's shards."""
         return sum(u.nbytes for u in self.units if u.where == "device") + self.pending_bytes \
-            + sum(d.nbytes() for d in self.derived) + self.fsdp_bytes
+            + sum(d.nbytes() for d in self.derived) + self.inventory.fsdp_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the component wholly placed: every unit, the derived attributes computed
+        from them, and FSDP's shards."""
+        return sum(u.nbytes for u in self.units) \
+            + sum(d.full_nbytes() for d in self.derived) + self.inventory.fsdp_bytes
 
     def report(self) -> StoreReport:
         device = self.device_bytes
@@ -917,21 +522,7 @@ class TensorStore:
         pinned = sum(self.layer.pinned_footprint(n) for n in hosts) if self.layer.pinned else 0
         return StoreReport(device, sum(hosts), pinned)
 
-    def count_stale(self) -> int:
-        """Count the stale tensors again (after a move marked or cleared some): kept in
-        :attr:`stale_count`, which forward checks read."""
-        self.stale_count = sum(1 for s in self._all_slots if s.stale)
-        return self.stale_count
-
-    def stale_names(self) -> list[str]:
-        """The tensors whose contents are undefined (discarded), under their first names."""
-        return sorted(s.names[0] for s in self._all_slots if s.stale)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(u.nbytes for u in self.units)
-
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor once, under its first name, sorted by name."""
-        return sorted(((s.names[0], s.tensor) for u in self.units for s in u.slot_list),
+        return sorted(((s.names[0], s.tensor) for s in self.inventory.slots),
                       key=lambda nt: nt[0])

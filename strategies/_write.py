@@ -43,7 +43,6 @@ import itertools
 import os
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -56,10 +55,12 @@ import torch
 
 from ._chunks import chunked
 from ._device import CopyPair, DeviceLayer, Tier
+from ._errors import forget_locals, undo_on_failure
 from ._fileread import FileRegion
+from ._inventory import Slot, Unit
 
 if TYPE_CHECKING:
-    from ._store import TensorStore, Unit, _Slot
+    from ._store import TensorStore
 
 __all__ = ["MirrorRefresh", "WriteMove", "WriteSource", "cancel_refresh", "land_refresh",
            "prepare_write", "refresh_pending"]
@@ -88,7 +89,7 @@ class WriteSource:
 
 @dataclass(eq=False)
 class _Target:
-    slot: _Slot
+    slot: Slot
     unit: Unit
     source: WriteSource
     mirrored: bool  # on the device with a current mirror: the mirror is the backup
@@ -151,14 +152,14 @@ class _Mark:
     so: its slot still holding the refresh's token, its device tensor unchanged since the
     commit (version counter and address)."""
 
-    slot: _Slot
+    slot: Slot
     unit: Unit
     token: int
     version: int
     ptr: int
 
     @classmethod
-    def of(cls, slot: _Slot, unit: Unit, token: int) -> _Mark:
+    def of(cls, slot: Slot, unit: Unit, token: int) -> _Mark:
         """Mark ``slot`` stale with ``token`` and note the device tensor it is copied from."""
         t = slot.tensor
         slot.version = token
@@ -184,7 +185,7 @@ class _Mark:
             self.slot.version = self.version
 
 
-def _refreshable(slot: _Slot, unit: Unit) -> bool:
+def _refreshable(slot: Slot, unit: Unit) -> bool:
     """On the device with a mirror that is meaningful (a stale tensor in it can be copied)."""
     return unit.where == "device" and unit.mirror_current and slot.host_view is not None
 
@@ -233,7 +234,7 @@ class MirrorRefresh:
                     m.land()
                 self.copied += sum(int(m.slot.tensor.nbytes) for m in chunk)
         except BaseException as exc:  # what it did not land stays stale
-            traceback.clear_frames(exc.__traceback__)  # frames held the buffers
+            forget_locals(exc)  # frames held the buffers
             self.error = exc
         finally:
             self._done.set_result(None)
@@ -501,47 +502,54 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
               and layer.device_memory(t.live)]
     free = layer.free_bytes()
     backup_on_device = free is None or free > 2 * sum(t.nbytes for t in device)
-    written: list[_Target] = []
+    written: list[_Target] = []  # what a failure restores: every target written so far
+
+    async def undo() -> None:
+        await move._restore(written)
+        move._drop_backups()
+
     writes = _writes_on(layer)
     writes.enter()  # background refreshes (of other stores) pause meanwhile
     try:
-        for t in targets:
-            if not t.mirrored and not t.slot.stale:
-                t.backup = _backup(t, store, backup_on_device and layer.device_memory(t.live))
-        pairs = [(t.backup, t.live) for t in targets if t.backup is not None]
-        await store.copy_pairs(pairs, _tier(pairs, store))
-        for chunk in chunked(targets, lambda t: t.nbytes, READ_CHUNK):
-            # File bytes the host may write straight into the live tensor: one copy (no
-            # loaded tensor, no page faults on the file's mapping). Counted as written
-            # before the read starts: a failed read leaves them half-written.
-            direct: list[tuple[_Target, FileRegion]] = []
-            rest: list[_Target] = []
-            for t in chunk:
-                region, live = t.source.region, t.live
-                if region is not None and region.fits(live) \
-                        and layer.host_writes(live, t.unit.where):
-                    direct.append((t, region))
-                else:
-                    rest.append(t)
-            if direct:
-                written += [t for t, _ in direct]
-                await layer.read_file([(t.live, region) for t, region in direct], limiter)
-            if not rest:
-                continue
-            values = await anyio.to_thread.run_sync(
-                load_chunk, [t.source for t in rest], [t.slot.tensor.dtype for t in rest],
-                limiter=limiter)
-            written += rest
-            pairs = [(t.live, v) for t, v in zip(rest, values, strict=True)]
-            await store.copy_pairs(pairs, _live_tier(rest))
-    except BaseException as exc:
-        from ._store import forget_locals
-
-        forget_locals(exc)  # frames that held the sources and backups
-        await move._restore(written)
-        move._drop_backups()
-        raise
+        async with undo_on_failure(undo):  # (its frames held the sources and backups)
+            await _write_all(store, targets, written, backup_on_device, limiter)
     finally:
         writes.exit()
     move.bytes_copied = sum(t.nbytes for t in targets)
     return move
+
+
+async def _write_all(store: TensorStore, targets: Sequence[_Target], written: list[_Target],
+                     backup_on_device: bool, limiter: anyio.CapacityLimiter | None) -> None:
+    """Back ``targets`` up, then write each one's source into it, appending to ``written``
+    each target before its bytes are touched (for the undo of a failure)."""
+    layer = store.layer
+    for t in targets:
+        if not t.mirrored and not t.slot.stale:
+            t.backup = _backup(t, store, backup_on_device and layer.device_memory(t.live))
+    pairs = [(t.backup, t.live) for t in targets if t.backup is not None]
+    await store.copy_pairs(pairs, _tier(pairs, store))
+    for chunk in chunked(targets, lambda t: t.nbytes, READ_CHUNK):
+        # File bytes the host may write straight into the live tensor: one copy (no
+        # loaded tensor, no page faults on the file's mapping). Counted as written
+        # before the read starts: a failed read leaves them half-written.
+        direct: list[tuple[_Target, FileRegion]] = []
+        rest: list[_Target] = []
+        for t in chunk:
+            region, live = t.source.region, t.live
+            if region is not None and region.fits(live) \
+                    and layer.host_writes(live, t.unit.where):
+                direct.append((t, region))
+            else:
+                rest.append(t)
+        if direct:
+            written.extend(t for t, _ in direct)
+            await layer.read_file([(t.live, region) for t, region in direct], limiter)
+        if not rest:
+            continue
+        values = await anyio.to_thread.run_sync(
+            load_chunk, [t.source for t in rest], [t.slot.tensor.dtype for t in rest],
+            limiter=limiter)
+        written.extend(rest)
+        pairs = [(t.live, v) for t, v in zip(rest, values, strict=True)]
+        await store.copy_pairs(pairs, _live_tier(rest))

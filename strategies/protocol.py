@@ -1,6 +1,7 @@
 """The plumbing the lifecycle drives: one component's tensors (:class:`TensorStore`, its
 units), the moves that place them (prepared, then committed or undone: placement, writes,
-regrouping, restoring, discarding), the strategy factory and the forward guard.
+regrouping, restoring, discarding), the strategy factory, the forward guard, and
+:func:`forget_locals` (what a failed move's traceback must not keep alive).
 
 ``lifecycle`` imports only :mod:`strategies` and this module. Someone writing a strategy
 of their own needs these types too; a user placing a pipeline does not (see
@@ -9,14 +10,16 @@ of their own needs these types too; a user placing a pipeline does not (see
 
 from ._base import ResidencyStrategy
 from ._discard import DiscardMove, UndiscardMove, prepare_discard, prepare_undiscard
+from ._errors import forget_locals
 from ._factory import Shape, build_strategy
 from ._fileread import FileRegion, safetensors_regions
 from ._guard import ComputeGuard
+from ._inventory import Unit
 from ._layerwise import check_block_lists
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._regroup import RegroupMove, RestoreMove, needs_restore, prepare_regroup, prepare_restore
 from ._resident import ResidentStrategy
-from ._store import Move, PreparedMove, StoreReport, TensorStore, Unit
+from ._store import Move, PreparedMove, StoreReport, TensorStore
 from ._write import WriteMove, WriteSource
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "WriteSource",
     "build_strategy",
     "check_block_lists",
+    "forget_locals",
     "needs_restore",
     "prepare_discard",
     "prepare_regroup",

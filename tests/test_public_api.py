@@ -49,10 +49,11 @@ STRATEGIES_API = {
 }
 # strategies.protocol: the types of the strategy protocol and the moves the lifecycle drives
 # (TensorStore, Unit, the prepared moves: placement, writes, regrouping for a residency
-# change, restoring at detach, discarding), the factory and the forward guard.
+# change, restoring at detach, discarding), the factory, the forward guard, and
+# forget_locals (a failed move's frames must not keep its buffers: lifecycle uses it too).
 PROTOCOL_API = {
     "ResidencyStrategy", "ResidentStrategy", "ComponentOffloadStrategy", "SnapshotOffloadStrategy",
-    "build_strategy", "Shape", "check_block_lists", "ComputeGuard",
+    "build_strategy", "Shape", "check_block_lists", "ComputeGuard", "forget_locals",
     "TensorStore", "Unit", "StoreReport", "Move", "PreparedMove", "WriteMove", "WriteSource",
     "FileRegion", "safetensors_regions",
     "RegroupMove", "prepare_regroup", "RestoreMove", "prepare_restore", "needs_restore",

@@ -17,18 +17,11 @@ from typing import Any
 import anyio
 
 from lifecycle import InfeasibleBudget, configure_logging, mermaid
-from lifecycle.demo import parse_size
+from lifecycle._units import format_bytes, parse_size
 
 from .drills import DrillReport, ScenarioError, StepOutcome, default_scenario, load_scenario, run_drill
 
 __all__ = ["main"]
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def _rich() -> Any:
@@ -45,7 +38,7 @@ def _rich() -> Any:
 
 def _table(report: DrillReport) -> Any:
     table = _rich().table.Table(title=f"drill {report.scenario!r} on {report.device}, "
-                                f"pipeline {_bytes(report.pipeline_bytes)}", title_justify="left")
+                                f"pipeline {format_bytes(report.pipeline_bytes)}", title_justify="left")
     for col, just in (("step", "left"), ("", "left"), ("outcome", "left"), ("seconds", "right"),
                       ("moved", "right"), ("GB/s", "right"), ("device after", "right"),
                       ("phase after", "left")):
@@ -53,8 +46,8 @@ def _table(report: DrillReport) -> Any:
     for o in report.outcomes:
         index = ".".join(re.findall(r"\[(\d+)\]", o.index))
         table.add_row(index, o.step, ("ok: " if o.ok else "FAILED: ") + o.message[:70],
-                      f"{o.seconds:.4f}", _bytes(o.bytes_moved) if o.bytes_moved else "-",
-                      f"{o.gbps:.2f}" if o.bytes_moved else "-", _bytes(o.device_bytes), o.phase)
+                      f"{o.seconds:.4f}", format_bytes(o.bytes_moved) if o.bytes_moved else "-",
+                      f"{o.gbps:.2f}" if o.bytes_moved else "-", format_bytes(o.device_bytes), o.phase)
     return table
 
 

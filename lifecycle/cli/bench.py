@@ -43,8 +43,9 @@ import torch
 from torch import nn
 
 from lifecycle import LifecycleController, configure_logging
-from lifecycle._checkpoint import gbps, unique_tensors
-from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle._checkpoint import unique_tensors
+from lifecycle._units import gbps, parse_size
+from lifecycle.demo import DemoPipeline
 
 __all__ = ["base_options", "pipeline_options", "reference_sleep", "reference_wake", "run"]
 

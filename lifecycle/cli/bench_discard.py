@@ -30,7 +30,8 @@ import anyio
 import torch
 
 from lifecycle import LifecycleController, WeightsDiscarded
-from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle._units import parse_size
+from lifecycle.demo import DemoPipeline
 
 from .bench import DTYPES, bench_setup
 

@@ -61,8 +61,9 @@ import safetensors.torch
 import torch
 
 from lifecycle import LifecycleController
-from lifecycle._checkpoint import gbps, unique_tensors, write_checkpoint
-from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle._checkpoint import unique_tensors, write_checkpoint
+from lifecycle._units import gbps, parse_size
+from lifecycle.demo import DemoPipeline
 
 from .bench import (
     DTYPES,

@@ -24,8 +24,9 @@ import anyio
 import torch
 
 from lifecycle import LifecycleController, LifecycleError, Phase
-from lifecycle._checkpoint import gbps, write_checkpoint
-from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle._checkpoint import write_checkpoint
+from lifecycle._units import gbps, parse_size
+from lifecycle.demo import DemoPipeline
 from lifecycle.testing import FaultInjection, faulty_device_layer
 from strategies import ResidencyConfig
 

@@ -30,7 +30,8 @@ from types import FrameType
 from typing import Any
 
 from lifecycle import InfeasibleBudget, LifecycleController, configure_logging
-from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle._units import parse_size
+from lifecycle.demo import DemoPipeline
 
 __all__ = ["add_arguments", "load_pipeline", "run"]
 

@@ -5,7 +5,9 @@ Typed refusals are 4xx, never 500: 400 for a refused request (with the reference
 401 without the API key, 404/405 for unknown paths and methods, 408 when a body stops
 arriving, 409 when in-flight work did not drain in time, 413 for a body over the limit, 503
 when a call waited too long for a transition. 500 is kept for a move that failed and was
-rolled back (the body says so) and for a bug. Nothing changes on any refusal.
+rolled back (the body says so) and for a bug; an update over a trainer's process group that
+was rolled back because the trainer's broadcast failed (it died or stalled) is the client's
+failure: 400, as the reference answers failed updates. Nothing changes on any refusal.
 
 Bodies are bounded in memory as well as size: an upload's base64 strings are not parsed as
 JSON but left in the body's buffer and decoded there (see :func:`_parse`), and everything slow
@@ -56,11 +58,14 @@ from .. import (
     Phase,
     TransitionFailed,
     TransitionRejected,
+    UpdateResult,
 )
+from .._weight_sync import DEFAULT_TIMEOUT
 from ..metrics import ControllerMetrics
-from ._driver import Driver, Generate, LocalDriver, RanksUnavailable
+from ._driver import Driver, Generate, LocalDriver, RanksUnavailable, Upload
 from ._ranks import OutputsDisagree
-from ._transport import FD_TIMEOUT, TransportError, check_load_format, decode_base64, decode_payload
+from ._transport import FD_TIMEOUT, TransportError, check_load_format
+from ._wire import TensorRequest, WireRefused, trainer_failed
 
 __all__ = ["ROUTES", "Generate", "create_app", "demo_generate"]
 
@@ -86,8 +91,8 @@ def _refused(message: str, status: int = 400, **extra: Any) -> BadRequest:
 
 # -- bodies -----------------------------------------------------------------------------
 _TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "boolean": (bool,), "integer": (int,), "list of strings": (list,),
-    "object": (dict,)}
+    "string": (str,), "boolean": (bool,), "integer": (int,), "number": (int, float),
+    "list of strings": (list,), "object": (dict,)}
 
 
 def _text(name: str, value: str) -> str:
@@ -110,7 +115,8 @@ def _field(body: Mapping[str, Any], name: str, kind: str, *, required: bool = Fa
             raise _refused(f"{name} is required")
         return default
     value = body[name]
-    ok = isinstance(value, _TYPES[kind]) and not (kind == "integer" and isinstance(value, bool))
+    ok = isinstance(value, _TYPES[kind]) and not (kind in ("integer", "number")
+                                                  and isinstance(value, bool))
     if ok and kind == "list of strings":
         ok = all(isinstance(v, str) for v in value)
     if not ok:
@@ -338,39 +344,66 @@ async def resume(request: Request) -> Response:
     return await _transition(request, _service(request).driver.wake)
 
 
-def _update_response(service: _Service, result: Any) -> Response:
+def _update_response(result: UpdateResult, *, trainer: bool = False) -> Response:
+    """An update's answer: 200, or 400 for a refusal. A rollback is a 500 (our failure),
+    except, with ``trainer``, one caused by the trainer's broadcast (it died or stalled: the
+    client's side), a 400 like the reference's failed updates."""
     if result.success:
         names = ", ".join(result.updated)
         return JSONResponse({"success": True, "version": result.version,
                              "message": f"Updated {len(result.updated)} modules ({names}).",
-                             "bytes_written": result.bytes_written, "seconds": result.seconds})
-    status = 500 if result.rolled_back else 400
-    return JSONResponse({"success": False, "message": result.message,
-                         "version": result.version}, status_code=status)
+                             "bytes_written": result.bytes_written, "seconds": result.seconds,
+                             "weight_version": result.weight_version})
+    ours = result.rolled_back and not (trainer and trainer_failed(result))
+    return JSONResponse({"success": False, "message": result.message, "version": result.version,
+                         "rolled_back": result.rolled_back,
+                         "weight_version": result.weight_version},
+                        status_code=500 if ours else 400)
 
 
-async def _update(service: _Service, call: Callable[[], Awaitable[Any]]) -> Response:
+async def _update(service: _Service, call: Callable[[], Awaitable[UpdateResult]], *,
+                  trainer: bool = False) -> Response:
     try:
-        return _update_response(service, await call())
+        return _update_response(await call(), trainer=trainer)
     except DrainTimeout as exc:
         raise _refused(str(exc), 409) from None
     except TransitionRejected as exc:  # while sleeping
         raise _refused(exc.reason) from None
+    except WireRefused as exc:
+        raise _refused(str(exc)) from None
     except (GroupBroken, RanksUnavailable) as exc:
         raise _refused(str(exc), 503) from None
 
 
-# weight_update_mode values served: a full replacement (the default). LoRA merges
-# ("lora_merge") are refused until they are implemented, rather than applied as replacements.
-UPDATE_MODES: tuple[str | None, ...] = (None, "full")
+#: weight_update_mode values served: a full replacement (absent or "full"), or a LoRA merge
+#: ("lora_merge": lora_A / lora_B tensors merged into their linears' pristine bases; tensor
+#: uploads and updates over a weight update group only).
+UPDATE_MODES: tuple[str | None, ...] = (None, "full", "lora_merge")
 
 
-def _update_mode(body: Mapping[str, Any]) -> None:
-    mode = _field(body, "weight_update_mode", "string")
+def _update_mode(body: Mapping[str, Any], *, lora: bool = True) -> str | None:
+    mode: str | None = _field(body, "weight_update_mode", "string")
+    if mode == "lora_merge" and not lora:
+        raise _refused("weight_update_mode 'lora_merge' is not supported for disk updates; "
+                       "accepted: 'full' (LoRA merges come as tensors, or over a weight update "
+                       "group)")
     if mode not in UPDATE_MODES:
+        assert mode is not None
         raise _refused(f"weight_update_mode {mode[:60]!r} is not supported; accepted: 'full' (the "
-                       "default, a replacement of the named tensors): LoRA merges are not "
-                       "implemented yet")
+                       "default, a replacement of the named tensors) or 'lora_merge' (lora_A / "
+                       "lora_B tensors merged into their linears)")
+    return mode
+
+
+def _weight_version(body: Mapping[str, Any]) -> str | None:
+    """``weight_version``: the trainer's label of the weights it sends (a string; an integer
+    is taken as its decimal string)."""
+    value = body.get("weight_version")
+    if value is None or isinstance(value, str):
+        return None if value is None else _text("weight_version", value)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**30:
+        return str(value)
+    raise _refused(f"weight_version must be a string, got {type(value).__name__}")
 
 
 _FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
@@ -407,8 +440,9 @@ async def update_from_disk(request: Request) -> Response:
     if "\0" in path:
         raise _refused("model_path must not contain a NUL character")
     targets = _field(body, "target_modules", "list of strings")
-    _field(body, "flush_cache", "boolean")  # accepted; nothing to flush in a diffusion server
-    _update_mode(body)
+    flush = _field(body, "flush_cache", "boolean", default=False)
+    _update_mode(body, lora=False)
+    version = _weight_version(body)
     components = list(service.ctl.components) if targets is None else targets
     timeout = service.file_check_timeout
     try:
@@ -420,26 +454,28 @@ async def update_from_disk(request: Request) -> Response:
                        "system?); nothing was read") from None
     if irregular is not None:
         raise _refused(f"weight file {irregular}, not a regular file; nothing was read")
-    return await _update(service, lambda: service.driver.update_from_disk(path, targets))
+    return await _update(service, lambda: service.driver.update_from_disk(
+        path, targets, weight_version=version, flush_cache=flush))
 
 
-def _relative_names(service: _Service, named: Sequence[tuple[str, torch.Tensor]],
-                    target: str) -> None:
-    """Refuse names given with the module's own prefix (``transformer.x.weight`` for module
-    ``transformer``): names are relative to the module, as the reference takes them."""
-    module = service.ctl.components.get(target)
-    if module is None:
-        return  # the controller names the unknown module
-    known = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    known.update(n for n, _ in module.named_buffers(remove_duplicate=False))
-    prefix = f"{target}."
-    doubled = [n for n, _ in named
-               if n.startswith(prefix) and n not in known and n[len(prefix):] in known]
-    if doubled:
-        more = f" (and {len(doubled) - 5} more)" if len(doubled) > 5 else ""
-        raise _refused(f"tensor names are relative to module {target!r}: {doubled[:5]}{more} "
-                       f"name no tensor of it; send them without the {prefix!r} prefix (e.g. "
-                       f"{doubled[0][len(prefix):]!r}); nothing was updated")
+def _tensor_request(body: Mapping[str, Any]) -> TensorRequest:
+    """The fields of a tensor upload besides its entries, checked."""
+    targets = _field(body, "target_modules", "list of strings", default=["transformer"])
+    if not targets:
+        raise _refused("target_modules must name the module to update, got []")
+    load_format = _field(body, "load_format", "string")
+    if load_format == "auto":  # the LLM server's default: sniffed here
+        load_format = None
+    try:
+        check_load_format(load_format)
+    except TransportError as exc:
+        raise _refused(str(exc)) from None
+    return TensorRequest(
+        targets=tuple(targets), load_format=load_format, weight_update_mode=_update_mode(body),
+        lora_alpha=_field(body, "lora_alpha", "number"),
+        lora_rank=_field(body, "lora_rank", "integer"),
+        weight_version=_weight_version(body),
+        flush_cache=_field(body, "flush_cache", "boolean", default=False))
 
 
 async def update_from_tensor(request: Request) -> Response:
@@ -449,34 +485,136 @@ async def update_from_tensor(request: Request) -> Response:
     body = await anyio.to_thread.run_sync(
         functools.partial(_parse, raw, spans=service.body_limit))
     payloads = _field(body, "serialized_named_tensors", "list of strings", required=True)
-    if len(payloads) != 1:
-        raise _refused(f"serialized_named_tensors must hold exactly one entry (one rank), got "
-                       f"{len(payloads)}")
-    targets = _field(body, "target_modules", "list of strings", default=["transformer"])
-    if len(targets) != 1:
-        raise _refused(f"target_modules must name exactly one module, got {targets}")
-    load_format = _field(body, "load_format", "string")
-    _update_mode(body)
-    entry = payloads[0]
-    text: str | memoryview = entry.view if isinstance(entry, _Span) else entry
-    del body, payloads, entry
+    if not payloads:
+        raise _refused("serialized_named_tensors is required: one entry, or one per rank")
+    uuids = _field(body, "payload_gpu_uuids", "list of strings")
+    tensors = _tensor_request(body)
+    # The base64 is decoded in place in the body's buffer (each rank's entry, see the driver),
+    # and the tensors are views of the decoded bytes where they can be: the upload's memory is
+    # about the body's size.
+    entries = [p.view if isinstance(p, _Span) else p for p in payloads]
+    del body, payloads
+    upload = Upload(entries, uuids, tensors, service.fd_timeout)
+    return await _update(service, lambda: service.driver.update_from_upload(upload))
+
+
+async def tensor_checker(request: Request) -> Response:
+    """``/update_weights_from_tensor_checker``: the reference clients' per-tensor SHA-256s
+    compared with the module's tensors (200 when all match, else 400 naming each)."""
+    service = _service(request)
+    body = await _body(request, service.body_limit)
+    target = body.get("target_module")
+    if not target:
+        raise _refused("target_module is required")
+    if not isinstance(target, str):
+        raise _refused(f"target_module must be a string, got {type(target).__name__}")
+    _text("target_module", target)
+    expected = body.get("expected_named_tensors_sha256")
+    if not isinstance(expected, dict) or not expected:
+        raise _refused("expected_named_tensors_sha256 is required")
+    for name, digest in expected.items():
+        _text("expected_named_tensors_sha256", name)
+        if isinstance(digest, str):
+            _text(f"expected_named_tensors_sha256[{name[:100]!r}]", digest)
     try:
-        check_load_format(load_format)
-        # The base64 is decoded in place in the body's buffer, and the tensors are views of the
-        # decoded bytes where they can be: the upload's memory is about the body's size.
-        data = await anyio.to_thread.run_sync(decode_base64, text)
-        del text
-        named = await anyio.to_thread.run_sync(functools.partial(
-            decode_payload, data, load_format, fd_timeout=service.fd_timeout))
-        del data, raw
-    except TransportError as exc:
-        raise _refused(f"serialized_named_tensors[0]: {exc}") from None
-    if not named:
-        raise _refused("serialized_named_tensors[0] holds no tensors; an update writes at least "
-                       "one, nothing was updated")
-    _relative_names(service, named, targets[0])
-    return await _update(service,
-                         lambda: service.driver.update_from_tensors(named, targets[0]))
+        result = await service.driver.check_tensor_hashes(target, expected)
+    except RanksUnavailable as exc:
+        raise _refused(str(exc), 503) from None
+    return JSONResponse(result.as_dict(), status_code=200 if result.success else 400)
+
+
+async def get_weight_version(request: Request) -> Response:
+    """The ``weight_version`` of the weights served (None before an update gave one)."""
+    return JSONResponse({"weight_version": _service(request).ctl.weight_version_label})
+
+
+# -- weight sync over a trainer's process group ----------------------------------------------
+# Seconds a join, or a wait for the next broadcast tensor, may take: at most a day.
+_MAX_TIMEOUT = 86400.0
+
+
+def _timeout(body: Mapping[str, Any]) -> float:
+    value = _field(body, "timeout", "number", default=DEFAULT_TIMEOUT)
+    if not 0 < value <= _MAX_TIMEOUT:  # NaN fails too
+        raise _refused(f"timeout must be a number of seconds above 0 and at most "
+                       f"{_MAX_TIMEOUT:g}, got {value}")
+    return float(value)
+
+
+def _texts(name: str, value: Any) -> None:
+    """Lone surrogates in the strings of a list would reach the answer's JSON: refused."""
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if isinstance(v, str):
+                _text(f"{name}[{i}]", v)
+
+
+async def _group_result(call: Callable[[], Awaitable[Any]]) -> Response:
+    try:
+        result = await call()
+    except WireRefused as exc:
+        raise _refused(str(exc)) from None
+    except RanksUnavailable as exc:
+        raise _refused(str(exc), 503) from None
+    return JSONResponse(result.as_dict(), status_code=200 if result.success else 400)
+
+
+async def init_weights_update_group(request: Request) -> Response:
+    """Join the trainer's group (it is rank 0 and serves the store): every server rank joins
+    as ``rank_offset`` plus its rank, waiting at most ``timeout`` seconds for the others."""
+    service = _service(request)
+    body = await _body(request, service.body_limit)
+    args: dict[str, Any] = {
+        "master_address": _field(body, "master_address", "string", required=True),
+        "master_port": _field(body, "master_port", "integer", required=True),
+        "rank_offset": _field(body, "rank_offset", "integer", required=True),
+        "world_size": _field(body, "world_size", "integer", required=True),
+        "group_name": _field(body, "group_name", "string", default="weight_update_group"),
+        "backend": _field(body, "backend", "string", default="nccl"),
+        "timeout": _timeout(body)}
+    bucket = _field(body, "bucket_bytes", "integer", bounds=(1, 2**50))
+    if bucket is not None:
+        args["bucket_bytes"] = bucket
+    return await _group_result(lambda: service.driver.init_weights_update_group(args))
+
+
+async def update_weights_from_distributed(request: Request) -> Response:
+    """Receive the tensors the trainer broadcasts over the group (in list order) into the
+    target module, all or nothing. The tensor list and the update's options are checked by
+    the controller, which still receives the broadcast when it refuses (the trainer's
+    completes): they are passed as they came."""
+    service = _service(request)
+    body = await _body(request, service.body_limit)
+    for name in ("names", "dtypes", "shapes"):
+        if name not in body or body[name] is None:
+            raise _refused(f"{name} is required")
+        _texts(name, body[name])
+    load_format = _field(body, "load_format", "string")
+    if load_format not in (None, "auto", "direct"):
+        raise _refused(f"load_format {load_format[:60]!r} is not supported over a weight "
+                       "update group; the trainer broadcasts each named tensor as it is")
+    targets = body.get("target_modules")
+    _texts("target_modules", targets)
+    args: dict[str, Any] = {
+        "names": body["names"], "dtypes": body["dtypes"], "shapes": body["shapes"],
+        "group_name": _field(body, "group_name", "string", default="weight_update_group"),
+        "target_modules": ["transformer"] if targets is None else targets,
+        "flush_cache": _field(body, "flush_cache", "boolean", default=False),
+        "weight_version": _weight_version(body),
+        "weight_update_mode": body.get("weight_update_mode"),
+        "lora_alpha": body.get("lora_alpha"), "lora_rank": body.get("lora_rank"),
+        "timeout": _timeout(body), "bucket_bytes": body.get("bucket_bytes")}
+    return await _update(service, lambda: service.driver.update_weights_from_distributed(args),
+                         trainer=True)
+
+
+async def destroy_weights_update_group(request: Request) -> Response:
+    """Leave the group on every rank; an absent group is a success (clients destroy before
+    they init)."""
+    service = _service(request)
+    body = await _body(request, service.body_limit)
+    name = _field(body, "group_name", "string", default="weight_update_group")
+    return await _group_result(lambda: service.driver.destroy_weights_update_group(name))
 
 
 async def checksum(request: Request) -> Response:
@@ -544,7 +682,12 @@ ROUTES: dict[str, tuple[Callable[[Request], Awaitable[Response]], tuple[str, ...
     "/resume_memory_occupation": (resume, ("POST",), True),
     "/update_weights_from_disk": (update_from_disk, ("POST",), True),
     "/update_weights_from_tensor": (update_from_tensor, ("POST",), True),
+    "/update_weights_from_tensor_checker": (tensor_checker, ("POST",), True),
     "/get_weights_checksum": (checksum, ("POST",), True),
+    "/get_weight_version": (get_weight_version, ("GET",), True),
+    "/init_weights_update_group": (init_weights_update_group, ("POST",), True),
+    "/update_weights_from_distributed": (update_weights_from_distributed, ("POST",), True),
+    "/destroy_weights_update_group": (destroy_weights_update_group, ("POST",), True),
     "/generate": (generate, ("POST",), True),
     "/health": (health, ("GET",), False),
     "/health_generate": (health, ("GET",), False),

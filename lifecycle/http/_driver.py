@@ -7,15 +7,27 @@ and combines the answers. The handlers do not know which one they have.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import anyio.to_thread
 import torch
 
-from .. import LifecycleController, OccupationResult, Phase, UpdateResult
+from .. import (
+    LifecycleController,
+    OccupationResult,
+    Phase,
+    TensorHashCheck,
+    UpdateResult,
+    WeightUpdateGroupResult,
+)
+from ._transport import FD_TIMEOUT
+from ._wire import TensorRequest, decode_entry, device_uuid, pick_entry
 
-__all__ = ["Driver", "Generate", "LocalDriver", "RanksUnavailable"]
+__all__ = ["Driver", "Generate", "LocalDriver", "RanksUnavailable", "Upload"]
 
 # A pipeline's generation: (controller, request body) -> JSON-able answer.
 Generate = Callable[[LifecycleController, Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
@@ -25,10 +37,27 @@ class RanksUnavailable(RuntimeError):
     """Some rank of a multi-rank server is dead or unreachable (answered with 503)."""
 
 
+@dataclass
+class Upload:
+    """An ``/update_weights_from_tensor`` request: the base64 text of each entry (views of
+    the request's body where it can be: decoding one overwrites it), the UUID of each entry
+    (``payload_gpu_uuids``) if given, and the rest of the request."""
+
+    entries: Sequence[str | memoryview]
+    uuids: Sequence[str] | None
+    request: TensorRequest
+    fd_timeout: float = FD_TIMEOUT
+
+
 class Driver:
     """The calls the routes make (see :class:`LocalDriver` for their meaning)."""
 
     ctl: LifecycleController
+
+    @property
+    def world_size(self) -> int:
+        """Server ranks that run every call."""
+        raise NotImplementedError
 
     async def sleep(self) -> OccupationResult:
         raise NotImplementedError
@@ -36,14 +65,29 @@ class Driver:
     async def wake(self) -> OccupationResult:
         raise NotImplementedError
 
-    async def update_from_disk(self, path: str, targets: Sequence[str] | None) -> UpdateResult:
+    async def update_from_disk(self, path: str, targets: Sequence[str] | None, *,
+                               weight_version: str | None = None,
+                               flush_cache: bool = False) -> UpdateResult:
         raise NotImplementedError
 
-    async def update_from_tensors(self, named: list[tuple[str, torch.Tensor]],
-                                  target: str) -> UpdateResult:
+    async def update_from_upload(self, upload: Upload) -> UpdateResult:
         raise NotImplementedError
 
     async def checksum(self, names: Sequence[str]) -> dict[str, str]:
+        raise NotImplementedError
+
+    async def check_tensor_hashes(self, target: str, expected: Mapping[str, str]
+                                  ) -> TensorHashCheck:
+        raise NotImplementedError
+
+    async def init_weights_update_group(self, args: Mapping[str, Any]
+                                        ) -> WeightUpdateGroupResult:
+        raise NotImplementedError
+
+    async def update_weights_from_distributed(self, args: Mapping[str, Any]) -> UpdateResult:
+        raise NotImplementedError
+
+    async def destroy_weights_update_group(self, group_name: str) -> WeightUpdateGroupResult:
         raise NotImplementedError
 
     @property
@@ -62,18 +106,21 @@ class Driver:
 
 
 def local_state(ctl: LifecycleController) -> dict[str, Any]:
-    """One controller's phase, version and placement, as /state shows it."""
+    """One controller's phase, versions, device and placement, as /state shows it."""
     report = ctl.report()
     return {
         "pid": os.getpid(),
         "phase": ctl.phase.value, "transition": ctl.transition, "in_flight": ctl.in_flight,
-        "weights_version": ctl.weights_version, "device": str(ctl.device),
+        "weights_version": ctl.weights_version, "weight_version": ctl.weight_version_label,
+        "device": str(ctl.device), "device_uuid": device_uuid(ctl.device, ctl.rank),
         "rank": report.rank, "world_size": report.world_size,
         "device_bytes": report.device_bytes, "host_bytes": report.host_bytes,
+        "lora_base_bytes": report.lora_base_bytes,
         "components": {n: {"mode": c.mode, "device_bytes": c.device_bytes,
                            "host_bytes": c.host_bytes, "pinned_bytes": c.pinned_bytes,
                            "total_bytes": c.total_bytes}
-                       for n, c in report.components.items()}}
+                       for n, c in report.components.items()},
+        "weight_update_groups": {n: g.as_dict() for n, g in ctl.weight_update_groups.items()}}
 
 
 class LocalDriver(Driver):
@@ -82,6 +129,18 @@ class LocalDriver(Driver):
     def __init__(self, ctl: LifecycleController, generate: Generate | None) -> None:
         self.ctl = ctl
         self._generate = generate
+        self._uuid: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def device_uuid(self) -> str:
+        """This rank's "GPU UUID" (see lifecycle.http._wire)."""
+        if self._uuid is None:
+            self._uuid = device_uuid(self.ctl.device, self.ctl.rank)
+        return self._uuid
 
     async def sleep(self) -> OccupationResult:
         return await self.ctl.sleep()
@@ -89,16 +148,47 @@ class LocalDriver(Driver):
     async def wake(self) -> OccupationResult:
         return await self.ctl.wake()
 
-    async def update_from_disk(self, path: str, targets: Sequence[str] | None) -> UpdateResult:
-        return await self.ctl.update_weights_from_disk(path, targets)
+    async def update_from_disk(self, path: str, targets: Sequence[str] | None, *,
+                               weight_version: str | None = None,
+                               flush_cache: bool = False) -> UpdateResult:
+        return await self.ctl.update_weights_from_disk(
+            path, targets, weight_version=weight_version, flush_cache=flush_cache)
 
-    async def update_from_tensors(self, named: list[tuple[str, torch.Tensor]],
-                                  target: str) -> UpdateResult:
-        return await self.ctl.update_weights_from_tensors(named, target)
+    async def update_from_upload(self, upload: Upload) -> UpdateResult:
+        index = pick_entry(len(upload.entries), upload.uuids, 0, 1, self.device_uuid)
+        named = await self.decode(upload.entries[index], index, upload.request,
+                                  upload.fd_timeout)
+        return await self.update_decoded(named, upload.request)
+
+    async def decode(self, text: str | bytes | memoryview, index: int, request: TensorRequest,
+                     fd_timeout: float) -> list[tuple[str, torch.Tensor]]:
+        """Entry ``index`` decoded (in a worker thread) into the named tensors of the target;
+        raises :class:`~lifecycle.http._wire.WireRefused`."""
+        return await anyio.to_thread.run_sync(functools.partial(
+            decode_entry, text, index, request, self.ctl.components, fd_timeout=fd_timeout))
+
+    async def update_decoded(self, named: list[tuple[str, torch.Tensor]],
+                             request: TensorRequest) -> UpdateResult:
+        return await self.ctl.update_weights_from_tensors(named, request.targets[0],
+                                                          **request.options())
 
     async def checksum(self, names: Sequence[str]) -> dict[str, str]:
         known = [n for n in names if n in self.ctl.components]
         return await self.ctl.weights_checksum_async(known)
+
+    async def check_tensor_hashes(self, target: str, expected: Mapping[str, str]
+                                  ) -> TensorHashCheck:
+        return await self.ctl.check_tensor_hashes(target, expected)
+
+    async def init_weights_update_group(self, args: Mapping[str, Any]
+                                        ) -> WeightUpdateGroupResult:
+        return await self.ctl.init_weights_update_group(**args)
+
+    async def update_weights_from_distributed(self, args: Mapping[str, Any]) -> UpdateResult:
+        return await self.ctl.update_weights_from_distributed(**args)
+
+    async def destroy_weights_update_group(self, group_name: str) -> WeightUpdateGroupResult:
+        return await self.ctl.destroy_weights_update_group(group_name)
 
     @property
     def can_generate(self) -> bool:

@@ -2,44 +2,63 @@
 every call.
 
 Rank 0 posts each call as a numbered *op* in the group's key-value store (the TCPStore that
-``init_process_group`` uses, under its own prefix; JSON, tensors as base64 safetensors: no
-pickles). Every other rank reads the ops in order, runs each on its own controller, and posts
-its answer. Control calls are collective in the controllers themselves (every rank commits or
-none does, see ``lifecycle._group``), so rank 0's result is the combined one; generations run
-on every rank and rank 0 checks that their outputs agree. Ranks post a heartbeat every second:
-``/health`` names a rank whose heartbeat stopped. The store is polled, not a collective, so
-idle ranks never hit a collective timeout.
+``init_process_group`` uses, under its own prefix; JSON, no pickles). Every other rank reads
+the ops in order, runs each on its own controller, and posts its answer; once every rank
+answered, rank 0 deletes the op's keys. Control calls are collective in the controllers
+themselves (every rank commits or none does, see ``lifecycle._group``), so rank 0's result is
+the combined one; generations run on every rank and rank 0 checks that their outputs agree.
+Ranks post a heartbeat every second: ``/health`` names a rank whose heartbeat stopped. The
+store is polled, not a collective, so idle ranks never hit a collective timeout.
+
+**Tensor uploads** are relayed as they came: rank 0 picks each rank's entry of
+``serialized_named_tensors`` (one for all, or one per rank by rank or by ``payload_gpu_uuids``;
+each rank publishes its UUID in the store when it starts), puts the base64 text of each entry
+another rank needs under a key of its own (one copy of the text; no re-encoding), and every
+rank decodes its own entry. The ranks then compare their outcomes in the store (``agree``)
+before any of them starts the update: a payload one rank cannot decode is refused on every
+rank, naming the rank, and the collective update never waits for a rank that refused alone.
+Rank 0 deletes the payload keys once every rank has read its entry.
+
+**Weight sync over a trainer's group**: init, update and destroy run on every rank at once
+(the trainer's group needs every server rank in it: each joins as ``rank_offset`` plus its
+rank). Before an update the ranks compare whether each has the group, unbroken (``agree``),
+so that a rank missing it refuses with the others instead of leaving them waiting in the
+update's vote.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from .. import (
     LifecycleController,
     LifecycleError,
     OccupationResult,
     Phase,
+    TensorHashCheck,
     TransitionFailed,
     UpdateResult,
+    WeightUpdateGroupResult,
 )
-from ._driver import Driver, LocalDriver, RanksUnavailable, local_state
+from ._driver import Driver, LocalDriver, RanksUnavailable, Upload, local_state
+from ._wire import TensorRequest, WireRefused, group_refusal, pick_entry
 
 __all__ = ["OpChannel", "OutputsDisagree", "RankDriver", "follow"]
 
 HEARTBEAT_S = 1.0
 STALE_S = 5.0
+_POLL_S = 0.005
+# The largest value put in the store at once: its server refuses values over 8 MiB (an upload
+# is relayed in pieces of this size).
+_PIECE = 4 * 2**20
 
 
 class OutputsDisagree(RuntimeError):
@@ -70,7 +89,7 @@ class OpChannel:
     def next_op(self, seq: int) -> dict[str, Any]:
         """Wait (polling) for op ``seq``."""
         while not self._has(f"op/{seq}"):
-            time.sleep(0.005)
+            time.sleep(_POLL_S)
         return self._get(f"op/{seq}")
 
     def answer(self, seq: int, value: Mapping[str, Any]) -> None:
@@ -88,8 +107,70 @@ class OpChannel:
                     out[r] = self._get(f"answer/{seq}/{r}")
                     pending.discard(r)
             if pending:
-                time.sleep(0.005)
+                time.sleep(_POLL_S)
         return out
+
+    def agree(self, seq: int, error: str | None, timeout: float) -> dict[int, str]:
+        """Post this rank's outcome of a step of op ``seq`` (None: ready) and wait for every
+        rank's; returns rank -> reason for each rank that is not ready (a rank silent for
+        ``timeout`` seconds included). Every rank gets the same answer."""
+        self._put(f"agree/{seq}/{self.rank}", {"error": error})
+        deadline = time.monotonic() + timeout
+        pending = set(range(self.world_size))
+        failures: dict[int, str] = {}
+        while pending:
+            for r in sorted(pending):
+                if self._has(f"agree/{seq}/{r}"):
+                    reason = self._get(f"agree/{seq}/{r}")["error"]
+                    if reason is not None:
+                        failures[r] = str(reason)
+                    pending.discard(r)
+            if pending:
+                if time.monotonic() > deadline:
+                    failures.update({r: f"did not answer within {timeout:g} s" for r in pending})
+                    break
+                time.sleep(_POLL_S)
+        return dict(sorted(failures.items()))
+
+    def forget(self, seq: int) -> None:
+        """Delete op ``seq``'s keys (every rank has answered it)."""
+        keys = [f"op/{seq}", *(f"{kind}/{seq}/{r}" for kind in ("answer", "agree")
+                               for r in range(self.world_size))]
+        for key in keys:
+            with contextlib.suppress(RuntimeError):
+                self.store.delete_key(key)
+
+    def put_raw(self, key: str, data: str | memoryview) -> list[str]:
+        """Put ``data`` under ``key`` in pieces of at most :data:`_PIECE` bytes (the store
+        refuses values over 8 MiB); returns every key used (to delete them)."""
+        view = memoryview(data.encode()) if isinstance(data, str) else data.cast("B")
+        keys = []
+        for i, start in enumerate(range(0, len(view), _PIECE)):
+            keys.append(f"{key}/{i}")
+            self.store.set(keys[-1], bytes(view[start:start + _PIECE]))
+        self.store.set(key, str(len(keys)))  # last: once it is there, every piece is
+        return [*keys, key]
+
+    def get_raw(self, key: str) -> memoryview:
+        """The bytes :meth:`put_raw` put under ``key`` (waiting for them at most the store's
+        timeout), writable."""
+        count = int(bytes(self.store.get(key)).decode())
+        out = bytearray()
+        for i in range(count):
+            out += self.store.get(f"{key}/{i}")
+        return memoryview(out)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(RuntimeError):
+                self.store.delete_key(key)
+
+    def publish_uuid(self, uuid: str) -> None:
+        self.store.set(f"device/{self.rank}", uuid)
+
+    def uuid_of(self, rank: int) -> str:
+        """Rank ``rank``'s published device UUID (waits for it at most the store's timeout)."""
+        return bytes(self.store.get(f"device/{rank}")).decode()
 
     def beat(self) -> None:
         self.store.set(f"heartbeat/{self.rank}", str(time.time()))
@@ -105,19 +186,52 @@ class OpChannel:
         return out
 
 
-def _encode_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
-    return base64.b64encode(save_safetensors(dict(named))).decode()
-
-
-def _decode_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
-    return list(load_safetensors(base64.b64decode(payload)).items())
-
-
 def _error(exc: BaseException) -> dict[str, Any]:
     return {"error": type(exc).__name__, "message": str(exc)}
 
 
-async def _run_op(local: LocalDriver, op: Mapping[str, Any]) -> dict[str, Any]:
+def _describe(failures: Mapping[int, str], world_size: int) -> str:
+    """One message for the ranks that failed: the reason alone when every rank gave it."""
+    reasons = set(failures.values())
+    if len(failures) == world_size and len(reasons) == 1:
+        return next(iter(reasons))
+    return "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+
+
+async def _decoded(local: LocalDriver, channel: OpChannel, seq: int, text: Any, index: int,
+                   request: TensorRequest, fd_timeout: float, timeout: float
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """This rank's entry decoded, once every rank has decoded its own (``agree``); raises
+    :class:`WireRefused` naming every rank that could not."""
+    named: list[tuple[str, torch.Tensor]] | None = None
+    error: str | None = None
+    try:
+        if callable(text):
+            text = await anyio.to_thread.run_sync(text)
+        named = await local.decode(text, index, request, fd_timeout)
+    except WireRefused as exc:
+        error = str(exc)
+    except RuntimeError as exc:  # the store: the entry never came
+        error = f"the entry did not arrive: {exc}"
+    del text
+    failures = await anyio.to_thread.run_sync(channel.agree, seq, error, timeout)
+    if failures:
+        raise WireRefused(_describe(failures, channel.world_size))
+    assert named is not None
+    return named
+
+
+async def _ready(ctl: LifecycleController, channel: OpChannel, seq: int, group_name: str,
+                 timeout: float) -> None:
+    """Every rank has the weight update group, unbroken; else :class:`WireRefused`."""
+    failures = await anyio.to_thread.run_sync(channel.agree, seq,
+                                              group_refusal(ctl, group_name), timeout)
+    if failures:
+        raise WireRefused(_describe(failures, channel.world_size))
+
+
+async def _run_op(local: LocalDriver, channel: OpChannel, seq: int, op: Mapping[str, Any]
+                  ) -> dict[str, Any]:
     """Run one op on this rank's controller; the answer rank 0 combines."""
     name, args = op["op"], op.get("args", {})
     try:
@@ -125,12 +239,28 @@ async def _run_op(local: LocalDriver, op: Mapping[str, Any]) -> dict[str, Any]:
             result: OccupationResult = await getattr(local, name)()
             return result.as_dict()
         if name == "update_from_disk":
-            return (await local.update_from_disk(args["path"], args["targets"])).as_dict()
-        if name == "update_from_tensors":
-            named = _decode_tensors(args["tensors"])
-            return (await local.update_from_tensors(named, args["target"])).as_dict()
+            return (await local.update_from_disk(
+                args["path"], args["targets"], weight_version=args.get("weight_version"),
+                flush_cache=bool(args.get("flush_cache", False)))).as_dict()
+        if name == "update_from_upload":
+            me = str(channel.rank)
+            request = TensorRequest.from_json(args["request"])
+            key = args["keys"][me]
+            named = await _decoded(local, channel, seq, lambda: channel.get_raw(key),
+                                   int(args["entries"][me]), request, float(args["fd_timeout"]),
+                                   float(args["agree_timeout"]))
+            return (await local.update_decoded(named, request)).as_dict()
         if name == "checksum":
             return {"sums": await local.checksum(args["names"])}
+        if name == "check_tensor_hashes":
+            return (await local.check_tensor_hashes(args["target"], args["expected"])).as_dict()
+        if name == "init_weights_update_group":
+            return (await local.init_weights_update_group(args)).as_dict()
+        if name == "update_weights_from_distributed":
+            await _ready(local.ctl, channel, seq, args["group_name"], float(op["agree_timeout"]))
+            return (await local.update_weights_from_distributed(args)).as_dict()
+        if name == "destroy_weights_update_group":
+            return (await local.destroy_weights_update_group(args["group_name"])).as_dict()
         if name == "generate":
             return dict(await local.generate(args["body"]))
         if name == "state":
@@ -148,6 +278,7 @@ async def follow(ctl: LifecycleController, local: LocalDriver, channel: OpChanne
             await anyio.to_thread.run_sync(channel.beat)
             await anyio.sleep(HEARTBEAT_S)
 
+    await anyio.to_thread.run_sync(channel.publish_uuid, local.device_uuid)
     async with anyio.create_task_group() as tg:
         tg.start_soon(heartbeat)
         seq = 1
@@ -157,9 +288,18 @@ async def follow(ctl: LifecycleController, local: LocalDriver, channel: OpChanne
                 await ctl.aclose()  # detach is collective: rank 0 detaches too
                 channel.answer(seq, {"stopped": True})
                 break
-            channel.answer(seq, await _run_op(local, op))
+            channel.answer(seq, await _run_op(local, channel, seq, op))
             seq += 1
         tg.cancel_scope.cancel()
+
+
+def _failed(answer: Mapping[str, Any]) -> str | None:
+    """Why a rank's answer to a call with a ``success`` field failed, or None."""
+    if "error" in answer:
+        return f"{answer['error']}: {answer.get('message')}"
+    if not answer.get("success", False):
+        return str(answer.get("message"))
+    return None
 
 
 class RankDriver(Driver):
@@ -172,21 +312,39 @@ class RankDriver(Driver):
         self.timeout = timeout  # for the other ranks' answers, beyond the call itself
         self._seq = 0
         self._lock = anyio.Lock()  # ops are posted and run in one order on every rank
+        self._uuids: dict[int, str] = {}
 
-    async def _everywhere(self, op: Mapping[str, Any], here: Any) -> tuple[Any, dict[int, Any]]:
+    @property
+    def world_size(self) -> int:
+        return self.channel.world_size
+
+    async def _call(self, name: str,
+                    args: Mapping[str, Any] | Callable[[int], Awaitable[Mapping[str, Any]]],
+                    here: Callable[[int], Awaitable[Any]], **extra: Any
+                    ) -> tuple[Any, dict[int, Any]]:
+        """Op ``name`` on every rank: its ``args`` (or made once its number is known, before
+        it is posted), and ``here(seq)`` on this rank meanwhile; rank 0's result and every
+        other rank's answer."""
         async with self._lock:
             silent = await anyio.to_thread.run_sync(self.channel.silent_ranks)
             if silent:
                 raise RanksUnavailable(f"rank(s) {silent} do not respond")
             self._seq += 1
             seq = self._seq
+            made = args if isinstance(args, Mapping) else await args(seq)
+            op = {"op": name, "args": dict(made), **extra}
             await anyio.to_thread.run_sync(self.channel.post, seq, op)
-            result = await here()
+            result = await here(seq)
             answers = await anyio.to_thread.run_sync(self.channel.answers, seq, self.timeout)
             missing = sorted(set(range(1, self.channel.world_size)) - set(answers))
             if missing:
-                raise RanksUnavailable(f"rank(s) {missing} did not answer {op['op']}")
+                raise RanksUnavailable(f"rank(s) {missing} did not answer {name}")
+            await anyio.to_thread.run_sync(self.channel.forget, seq)
             return result, answers
+
+    async def _everywhere(self, op: Mapping[str, Any], here: Callable[[], Awaitable[Any]]
+                          ) -> tuple[Any, dict[int, Any]]:
+        return await self._call(op["op"], op.get("args", {}), lambda seq: here())
 
     async def sleep(self) -> OccupationResult:
         result, _ = await self._everywhere({"op": "sleep"}, self.local.sleep)
@@ -196,24 +354,135 @@ class RankDriver(Driver):
         result, _ = await self._everywhere({"op": "wake"}, self.local.wake)
         return result  # type: ignore[no-any-return]
 
-    async def update_from_disk(self, path: str, targets: Sequence[str] | None) -> UpdateResult:
-        op = {"op": "update_from_disk", "args": {"path": path, "targets": targets}}
-        result, _ = await self._everywhere(
-            op, lambda: self.local.update_from_disk(path, targets))
+    async def update_from_disk(self, path: str, targets: Sequence[str] | None, *,
+                               weight_version: str | None = None,
+                               flush_cache: bool = False) -> UpdateResult:
+        op = {"op": "update_from_disk", "args": {
+            "path": path, "targets": targets, "weight_version": weight_version,
+            "flush_cache": flush_cache}}
+        result, _ = await self._everywhere(op, lambda: self.local.update_from_disk(
+            path, targets, weight_version=weight_version, flush_cache=flush_cache))
         return result  # type: ignore[no-any-return]
 
-    async def update_from_tensors(self, named: list[tuple[str, torch.Tensor]],
-                                  target: str) -> UpdateResult:
-        payload = await anyio.to_thread.run_sync(_encode_tensors, named)
-        op = {"op": "update_from_tensors", "args": {"tensors": payload, "target": target}}
-        result, _ = await self._everywhere(
-            op, lambda: self.local.update_from_tensors(named, target))
+    async def _uuid_of(self, rank: int) -> str:
+        if rank == 0:
+            return self.local.device_uuid
+        if rank not in self._uuids:
+            try:
+                self._uuids[rank] = await anyio.to_thread.run_sync(self.channel.uuid_of, rank)
+            except RuntimeError as exc:  # the store's timeout: the rank never started
+                raise RanksUnavailable(f"rank {rank} did not publish its device UUID: "
+                                       f"{exc}") from None
+        return self._uuids[rank]
+
+    async def update_from_upload(self, upload: Upload) -> UpdateResult:
+        world = self.channel.world_size
+        picks: dict[int, int] = {}
+        refused: dict[int, str] = {}
+        for r in range(world):
+            own = await self._uuid_of(r) if upload.uuids else ""
+            try:
+                picks[r] = pick_entry(len(upload.entries), upload.uuids, r, world, own)
+            except WireRefused as exc:
+                refused[r] = str(exc)
+        if refused:
+            raise WireRefused(_describe(refused, world))
+        request = upload.request
+        keys: list[str] = []
+
+        async def relay(seq: int) -> dict[str, Any]:
+            # One copy of each entry another rank needs, as it came: no re-encoding.
+            by_index: dict[int, str] = {}
+            for index in sorted({picks[r] for r in range(1, world)}):
+                by_index[index] = key = f"payload/{seq}/{index}"
+                try:
+                    keys.extend(await anyio.to_thread.run_sync(
+                        self.channel.put_raw, key, upload.entries[index]))
+                except RuntimeError as exc:  # the store failed (a torch.distributed error)
+                    raise RanksUnavailable(f"the ranks' store did not take the upload: "
+                                           f"{exc}") from None
+            return {"keys": {str(r): by_index[picks[r]] for r in range(1, world)},
+                    "entries": {str(r): picks[r] for r in range(1, world)},
+                    "request": request.to_json(), "fd_timeout": upload.fd_timeout,
+                    "agree_timeout": self.timeout}
+
+        async def here(seq: int) -> UpdateResult:
+            try:
+                named = await _decoded(self.local, self.channel, seq, upload.entries[picks[0]],
+                                       picks[0], request, upload.fd_timeout, self.timeout)
+            finally:  # every rank has read its entry (or given up)
+                await anyio.to_thread.run_sync(self.channel.delete, list(keys))
+                keys.clear()
+            return await self.local.update_decoded(named, request)
+
+        try:
+            result, _ = await self._call("update_from_upload", relay, here)
+        finally:
+            if keys:  # the op failed before every rank read its entry
+                await anyio.to_thread.run_sync(self.channel.delete, keys)
         return result  # type: ignore[no-any-return]
 
     async def checksum(self, names: Sequence[str]) -> dict[str, str]:
         result, _ = await self._everywhere({"op": "checksum", "args": {"names": list(names)}},
                                            lambda: self.local.checksum(names))
         return result  # type: ignore[no-any-return]
+
+    async def check_tensor_hashes(self, target: str, expected: Mapping[str, str]
+                                  ) -> TensorHashCheck:
+        op = {"op": "check_tensor_hashes", "args": {"target": target, "expected": dict(expected)}}
+        mine, answers = await self._everywhere(
+            op, lambda: self.local.check_tensor_hashes(target, expected))
+        assert isinstance(mine, TensorHashCheck)
+        failures = {r: why for r, a in answers.items() if (why := _failed(a)) is not None}
+        if not mine.success:
+            failures[0] = mine.message
+        if not failures:
+            return mine
+        return TensorHashCheck(False, _describe(failures, self.channel.world_size), target,
+                               mine.checked, mine.mismatched, mine.missing)
+
+    def _joined(self, name: str, mine: WeightUpdateGroupResult, answers: Mapping[int, Any]
+                ) -> WeightUpdateGroupResult:
+        """Rank 0's result of a group init or destroy, failed if any rank's failed."""
+        failures = {r: why for r, a in answers.items() if (why := _failed(a)) is not None}
+        if not mine.success:
+            failures[0] = mine.message
+        if not failures:
+            return mine
+        return WeightUpdateGroupResult(False, _describe(failures, self.channel.world_size),
+                                       name, None, mine.seconds)
+
+    async def init_weights_update_group(self, args: Mapping[str, Any]
+                                        ) -> WeightUpdateGroupResult:
+        offset, size = args.get("rank_offset"), args.get("world_size")
+        world = self.channel.world_size
+        if isinstance(offset, int) and isinstance(size, int) and 0 < offset < size \
+                and offset + world > size:
+            raise WireRefused(f"world_size {size} leaves no room for this server's {world} "
+                              f"ranks from rank_offset {offset} (they join as ranks {offset}.."
+                              f"{offset + world - 1}); world_size must be at least "
+                              f"{offset + world}")
+        mine, answers = await self._everywhere(
+            {"op": "init_weights_update_group", "args": dict(args)},
+            lambda: self.local.init_weights_update_group(args))
+        return self._joined(str(args.get("group_name")), mine, answers)
+
+    async def update_weights_from_distributed(self, args: Mapping[str, Any]) -> UpdateResult:
+        group_name = str(args.get("group_name"))
+
+        async def here(seq: int) -> UpdateResult:
+            await _ready(self.ctl, self.channel, seq, group_name, self.timeout)
+            return await self.local.update_weights_from_distributed(args)
+
+        result, _ = await self._call("update_weights_from_distributed", dict(args), here,
+                                     agree_timeout=self.timeout)
+        return result  # type: ignore[no-any-return]
+
+    async def destroy_weights_update_group(self, group_name: str) -> WeightUpdateGroupResult:
+        mine, answers = await self._everywhere(
+            {"op": "destroy_weights_update_group", "args": {"group_name": group_name}},
+            lambda: self.local.destroy_weights_update_group(group_name))
+        return self._joined(group_name, mine, answers)
 
     @property
     def can_generate(self) -> bool:

@@ -7,7 +7,9 @@ host (a file descriptor passed over a Unix socket, a ``/dev/shm`` segment name, 
 handle), plus either a list of ``(name, tensor)`` pairs (``load_format`` omitted or ``"direct"``)
 or, for ``load_format="flattened_bucket"``, ``{"flattened_tensor": flat, "metadata": [...]}``
 where each ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` names a slice of
-``flat``.
+``flat``. The newest diffusion clients key either kind by module, ``{"transformer": payload}``
+(:func:`decode_modules` resolves it against ``target_modules`` as the reference does). No new
+global is needed for that: the dict and its string keys are plain pickle opcodes.
 
 Threat model
 ------------
@@ -126,7 +128,7 @@ import stat
 import struct
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing import connection as mp_connection
 from multiprocessing import reduction as mp_reduction
 from typing import Any, NoReturn
@@ -139,9 +141,11 @@ __all__ = [
     "FD_TIMEOUT",
     "LOAD_FORMATS",
     "FlattenedTensorMetadata",
+    "PayloadModulesMismatch",
     "TransportError",
     "check_load_format",
     "decode_base64",
+    "decode_modules",
     "decode_named_tensors",
     "decode_payload",
 ]
@@ -1089,17 +1093,20 @@ class _AllowListUnpickler(pickle.Unpickler):
 
 
 def decode_named_tensors(payload: str | bytes | bytearray | memoryview, load_format: str | None,
-                         *, fd_timeout: float = FD_TIMEOUT) -> list[tuple[str, torch.Tensor]]:
+                         *, fd_timeout: float = FD_TIMEOUT, module: str = "transformer"
+                         ) -> list[tuple[str, torch.Tensor]]:
     """Decode one ``serialized_named_tensors`` entry into ``(name, tensor)`` pairs.
 
     ``payload``: the base64 text (a ``str``, or its ASCII bytes). ``load_format``:
     ``"safetensors"``; ``"direct"`` (a pickled list of pairs); ``"flattened_bucket"`` (a pickled
     bucket); ``None`` (safetensors if the bytes are a safetensors file, else ``"direct"``).
+    A pickle may also hold ``{module: payload}``: the tensors of ``module`` are returned.
     ``fd_timeout``: seconds each step of a ``file_descriptor`` handshake may take. Raises
     :class:`TransportError`. Same as :func:`decode_payload` of :func:`decode_base64`.
     """
     check_load_format(load_format)
-    return decode_payload(decode_base64(payload), load_format, fd_timeout=fd_timeout)
+    return decode_payload(decode_base64(payload), load_format, fd_timeout=fd_timeout,
+                          module=module)
 
 
 def check_load_format(load_format: object) -> None:
@@ -1155,22 +1162,95 @@ def decode_base64(payload: object) -> memoryview:
 
 
 def decode_payload(data: bytes | bytearray | memoryview, load_format: str | None, *,
-                   fd_timeout: float = FD_TIMEOUT) -> list[tuple[str, torch.Tensor]]:
-    """Decode the bytes of one entry (see :func:`decode_named_tensors`). Tensors may be views
+                   fd_timeout: float = FD_TIMEOUT, module: str = "transformer"
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Decode the bytes of one entry (see :func:`decode_named_tensors`): the tensors of
+    ``module`` (a bare payload, or its part of a payload keyed by module). Tensors may be views
     of ``data`` when it is writable (they keep it alive; nothing else may write it): no copy of
     the payload. Others own their memory, or map the sender's (``file_descriptor`` sharing)."""
+    return decode_modules(data, load_format, [module], fd_timeout=fd_timeout)[module]
+
+
+class PayloadModulesMismatch(TransportError):
+    """The entry decoded, but its modules do not match ``target_modules`` (the reference's
+    ``Missing tensor payload ...`` / ``Ambiguous tensor payload ...``)."""
+
+
+def decode_modules(data: bytes | bytearray | memoryview, load_format: str | None,
+                   modules: Sequence[str], *, fd_timeout: float = FD_TIMEOUT
+                   ) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Decode the bytes of one entry into the tensors of each of ``modules``, as the
+    reference resolves a payload: a pickled dict ``{module: payload}`` (every module of
+    ``modules`` must be in it; others are ignored) or, when exactly one module is targeted, a
+    bare payload. A payload is a list of ``(name, tensor)`` pairs, or a flattened bucket with
+    ``load_format="flattened_bucket"``; a safetensors file is always a bare payload. A dict
+    with exactly the keys ``flattened_tensor`` and ``metadata`` under ``flattened_bucket`` is a
+    bare bucket (what older clients send), not a dict of modules."""
     check_load_format(load_format)
     view = memoryview(data).cast("B")
     if load_format == "safetensors" or (load_format is None and _looks_like_safetensors(view)):
-        return _load_safetensors(view)
+        return _bare(_load_safetensors(view), modules)
     token = _fd_timeout.set(fd_timeout)
     try:
         obj = _unpickle(view)
     finally:
         _fd_timeout.reset(token)
-    if load_format == "flattened_bucket":
-        return _unflatten(obj)
-    return _named_pairs(obj)
+    materialize = _unflatten if load_format == "flattened_bucket" else _named_pairs
+    if isinstance(obj, dict) and not (load_format == "flattened_bucket" and _is_bucket(obj)):
+        return _by_module(obj, modules, materialize, load_format)
+    if len(modules) == 1:
+        return {modules[0]: materialize(obj)}
+    raise PayloadModulesMismatch(
+        "Ambiguous tensor payload for multi-module update. Provide a dict mapping module_name -> "
+        f"module payload, requested modules: {list(modules)}.")
+
+
+def _is_bucket(obj: dict[Any, Any]) -> bool:
+    return set(obj) == {"flattened_tensor", "metadata"}
+
+
+def _bare(named: list[tuple[str, torch.Tensor]], modules: Sequence[str]
+          ) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    if len(modules) == 1:
+        return {modules[0]: named}
+    raise PayloadModulesMismatch(
+        "Ambiguous tensor payload for multi-module update: a safetensors entry holds one "
+        f"module's tensors; requested modules: {list(modules)}.")
+
+
+def _by_module(obj: dict[Any, Any], modules: Sequence[str],
+               materialize: Callable[[object], list[tuple[str, torch.Tensor]]],
+               load_format: str | None) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """The payloads of ``modules`` in a pickled ``{module: payload}`` dict."""
+    for key in obj:
+        if type(key) is not str:
+            _refuse(f"the pickle holds a dict with a key of type {type(key).__name__}; expected "
+                    "{module name: payload}")
+    missing = [m for m in modules if m not in obj]
+    if missing:
+        keys = list(obj)
+        shown = [k[:100] for k in keys[:_SHOWN_KEYS]]
+        more = f" (and {len(keys) - _SHOWN_KEYS} more)" if len(keys) > _SHOWN_KEYS else ""
+        hint = ""
+        if _is_bucket(obj):
+            hint = " (a flattened bucket needs load_format='flattened_bucket')"
+        elif all(isinstance(v, _TensorRef) for v in obj.values()):
+            hint = " (a dict of tensors is not a payload: send a list of (name, tensor) pairs)"
+        raise PayloadModulesMismatch(f"Missing tensor payload for module(s): {missing}. "
+                                     f"Provided modules: {shown}{more}{hint}")
+    out: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for module in modules:
+        try:
+            out[module] = materialize(obj[module])
+        except PayloadModulesMismatch:
+            raise
+        except TransportError as exc:
+            raise TransportError(f"module {module[:100]!r} (load_format "
+                                 f"{load_format or 'direct'}): {exc}") from None
+    return out
+
+
+_SHOWN_KEYS = 20
 
 
 # safetensors' dtype names (safetensors.torch._TYPES, the ones torch has).

@@ -111,7 +111,7 @@ async def test_default_scenario_passes() -> None:
     pytest.param(_scenario({"do": "update", "source": "network"}),
                  ["steps[0] (update)", "['disk', 'tensors']"], id="bad-source"),
     pytest.param(_scenario({"do": "sleep", "ms": 3}),
-                 ["steps[0] (sleep)", "unknown field(s) ['ms']", "valid fields: none"],
+                 ["steps[0] (sleep)", "unknown field(s) ['ms']", "valid fields: ['discard']"],
                  id="unknown-field"),
     pytest.param(_scenario({"do": "attach"}, {"do": "generate"},
                            {"do": "repeat", "times": 2, "steps": [{"do": "slep"}]}),

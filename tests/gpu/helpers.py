@@ -17,6 +17,7 @@ import anyio.to_thread
 import torch
 
 from lifecycle import LifecycleController
+from lifecycle._units import gbps
 from lifecycle.demo import DemoPipeline
 from strategies import CudaDevice, LayerwiseOffloadStrategy
 
@@ -109,10 +110,6 @@ async def timed(layer: CudaDevice, op: Callable[[], Awaitable[T]]) -> tuple[T, f
     result = await op()
     layer.synchronize()
     return result, time.perf_counter() - t0
-
-
-def gbps(nbytes: float, seconds: float) -> float | None:
-    return nbytes / seconds / 1e9 if seconds > 0 else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

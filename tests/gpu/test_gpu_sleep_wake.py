@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lifecycle import LifecycleController
+from lifecycle._units import gbps
 from lifecycle.demo import DemoPipeline
 from strategies import CudaDevice
 from tests.gpu.helpers import (
@@ -19,7 +20,6 @@ from tests.gpu.helpers import (
     Recorder,
     bump,
     empty_cache,
-    gbps,
     link,
     memory,
     params,

@@ -15,10 +15,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lifecycle import LifecycleController
+from lifecycle._units import gbps
 from lifecycle.demo import DemoPipeline
 from strategies import CudaDevice
 from strategies.testing import FaultyCudaDevice
-from tests.gpu.helpers import GpuRun, Recorder, gbps, perturbed, ratio, timed
+from tests.gpu.helpers import GpuRun, Recorder, perturbed, ratio, timed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.anyio]
 

@@ -1,14 +1,20 @@
 """A real uvicorn server on 127.0.0.1 (an ephemeral port) in a thread of the test process,
-serving a controller the test can look at."""
+serving a controller the test can look at; or ``residency serve --nproc N`` in a subprocess."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +22,8 @@ import uvicorn
 
 from lifecycle import LifecycleController
 from lifecycle.http import Generate, create_app
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -59,3 +67,26 @@ def running_server(pipe: Any, generate: Generate | None, ctl: LifecycleControlle
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+@contextmanager
+def serving_ranks(*args: str, nproc: int = 2, env: dict[str, str] | None = None
+                  ) -> Iterator[tuple[subprocess.Popen[str], httpx.Client]]:
+    """``python -m lifecycle serve --nproc N --port 0 ARGS...`` (rank 0 serves HTTP, every
+    call runs on every rank) and a client on it, until the block ends (then killed)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lifecycle", "serve", "--nproc", str(nproc), "--port", "0",
+         "--device", "cpu", "--collective-timeout", "10", *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert found is not None and f"{nproc} ranks" in line, line
+        with httpx.Client(base_url=f"http://127.0.0.1:{found.group(1)}", timeout=60) as client:
+            yield proc, client
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()

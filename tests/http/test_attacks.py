@@ -275,7 +275,9 @@ def test_a_fifo_or_device_as_weight_file_is_refused_before_any_reader_opens_it(
 
 # -- 6. bodies that used to be 500s -----------------------------------------------------------------
 POST_PATHS = ["/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
-              "/update_weights_from_tensor", "/get_weights_checksum", "/generate", "/flush_cache"]
+              "/update_weights_from_tensor", "/get_weights_checksum", "/generate", "/flush_cache",
+              "/update_weights_from_tensor_checker", "/init_weights_update_group",
+              "/update_weights_from_distributed", "/destroy_weights_update_group"]
 
 
 @pytest.mark.parametrize("path", POST_PATHS)
@@ -291,10 +293,26 @@ def test_json_nested_1000_deep_is_a_400_on_every_route(server: Target, path: str
      "module_names[0] is not valid Unicode text"),
     ("/update_weights_from_disk", b'{"model_path": "\\udcff/x"}', "model_path is not valid Unicode"),
     ("/update_weights_from_disk", b'{"model_path": "/tmp/\\u0000x"}', "must not contain a NUL"),
-], ids=["5001-digits", "seed-2**76", "surrogate-name", "surrogate-path", "nul-path"])
+    ("/update_weights_from_tensor_checker",
+     b'{"target_module": "transformer", "expected_named_tensors_sha256": {"\\ud800": "00"}}',
+     "expected_named_tensors_sha256 is not valid Unicode"),
+    ("/update_weights_from_distributed",
+     b'{"names": ["\\udfff"], "dtypes": ["float32"], "shapes": [[1]]}',
+     "names[0] is not valid Unicode"),
+    ("/init_weights_update_group", b'{"master_address": "127.0.0.1", "master_port": 1, '
+     b'"rank_offset": 1, "world_size": 2, "backend": "gloo", "timeout": NaN}',
+     "timeout must be a number of seconds above 0"),
+    ("/init_weights_update_group", b'{"master_address": "127.0.0.1", "master_port": 1, '
+     b'"rank_offset": 1, "world_size": 2, "backend": "gloo", "timeout": 1e999}',
+     "timeout must be a number of seconds above 0"),
+    ("/update_weights_from_tensor", b'{"serialized_named_tensors": ["AAAA"], '
+     b'"weight_version": true}', "weight_version must be a string, got bool"),
+], ids=["5001-digits", "seed-2**76", "surrogate-name", "surrogate-path", "nul-path",
+        "surrogate-checker", "surrogate-names", "nan-timeout", "inf-timeout", "bool-version"])
 def test_bodies_that_raised_500_are_400s_naming_the_field(
         server: Target, path: str, content: bytes, message: str) -> None:
-    """Huge integers, out-of-range seeds, lone surrogates and NULs: 400 naming the field."""
+    """Huge integers, out-of-range seeds, lone surrogates, NULs, NaN and infinite timeouts, a
+    weight_version of the wrong type: 400 naming the field."""
     refused(server, path, content=content, message=message)
 
 
@@ -428,14 +446,14 @@ def _empty_bucket() -> bytes:
      f"relative to module 'transformer': ['transformer.{BIAS}'] name no tensor of it; send them "
      f"without the 'transformer.' prefix (e.g. '{BIAS}')"),
     (upload(safetensors.torch.save({BIAS: torch.ones(64)}), weight_update_mode="lora_merge"),
-     "weight_update_mode 'lora_merge' is not supported"),
+     "weight_update_mode='lora_merge' takes only LoRA tensors named"),
     (upload(pickle.dumps([(BIAS, torch.ones(64))], protocol=2)), "_codecs.encode"),
 ], ids=["empty-list", "empty-bucket", "empty-safetensors", "prefixed-name", "lora-merge",
         "protocol-2"])
 def test_uploads_that_would_write_nothing_or_the_wrong_thing_are_refused(
         server: Target, body: dict[str, Any], message: str) -> None:
-    """An update that writes nothing, names given with the module's prefix, a LoRA merge (not
-    implemented: it was applied as a replacement): 400 saying so; nothing changes."""
+    """An update that writes nothing, names given with the module's prefix, a LoRA merge of a
+    base weight's name (it was once applied as a replacement): 400 saying so; nothing changes."""
     r = refused(server, "/update_weights_from_tensor", body, message=message)
     assert "transformer.transformer." not in r.json()["message"]
 

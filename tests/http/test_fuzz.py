@@ -18,9 +18,13 @@ from lifecycle.http import create_app, demo_generate
 pytestmark = pytest.mark.anyio
 
 FIELDS = ["model_path", "target_modules", "flush_cache", "serialized_named_tensors",
-          "load_format", "module_names", "seed", "steps", "tags", "weight_version"]
+          "load_format", "module_names", "seed", "steps", "tags", "weight_version",
+          "payload_gpu_uuids", "weight_update_mode", "lora_alpha", "lora_rank", "target_module",
+          "expected_named_tensors_sha256", "names", "dtypes", "shapes", "group_name", "timeout"]
 PATHS = ["/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
-         "/update_weights_from_tensor", "/get_weights_checksum", "/generate", "/flush_cache"]
+         "/update_weights_from_tensor", "/get_weights_checksum", "/generate", "/flush_cache",
+         "/update_weights_from_tensor_checker", "/init_weights_update_group",
+         "/update_weights_from_distributed", "/destroy_weights_update_group"]
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
     | st.text(max_size=20),

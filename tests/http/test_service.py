@@ -233,7 +233,9 @@ def test_a_malicious_pickle_is_refused_naming_the_global_and_nothing_runs(
     ({}, "serialized_named_tensors is required"),
     ({"serialized_named_tensors": "x"}, "serialized_named_tensors must be a list of strings"),
     ({"serialized_named_tensors": ["!!!not base64!!!"]}, "serialized_named_tensors[0]"),
-    ({"serialized_named_tensors": ["a", "b"]}, "exactly one entry"),
+    ({"serialized_named_tensors": []}, "serialized_named_tensors is required"),
+    ({"serialized_named_tensors": ["a", "b"]},
+     "serialized_named_tensors size must be 1 or world_size (1), got 2"),
 ])
 def test_bad_tensor_uploads_are_400_and_change_nothing(served: Served, body: dict[str, Any],
                                                          message: str) -> None:

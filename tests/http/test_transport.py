@@ -448,7 +448,13 @@ def _safetensors_bytes() -> bytes:
         (_b64(_safetensors_bytes()[:20]), None, "neither a safetensors file nor a pickle"),
         (_b64(b"\x80\x04garbage"), "direct", "neither a safetensors file nor a pickle"),
         (_b64(pickle.dumps({"w": torch.ones(1)})), "direct",
-         "expected a list of \\(name, tensor\\) pairs.*load_format='flattened_bucket'"),
+         r"Missing tensor payload for module\(s\): \['transformer'\]. Provided modules: \['w'\] "
+         r"\(a dict of tensors is not a payload: send a list of \(name, tensor\) pairs\)"),
+        (_b64(pickle.dumps({"flattened_tensor": torch.ones(1), "metadata": []})), "direct",
+         r"Provided modules: \['flattened_tensor', 'metadata'\] \(a flattened bucket needs "
+         r"load_format='flattened_bucket'\)"),
+        (_b64(pickle.dumps({"transformer": {"w": torch.ones(1)}})), "direct",
+         r"module 'transformer' \(load_format direct\): the pickle holds a dict; expected a list"),
         (_b64(pickle.dumps([("w", torch.ones(1))])), "flattened_bucket",
          "holds list; expected \\{'flattened_tensor'"),
         (_b64(pickle.dumps([(1, torch.ones(1))])), None, "item 0 has a name of type int"),

@@ -190,7 +190,7 @@ async def test_the_warm_up_measures_uses_in_order_with_forwards_and_prefetch() -
     uses a request prefetch can bring in while the previous one runs."""
     ctl, _pipe, _, warmup = await _demo()
     await ctl.plan("90%", warmup)
-    m = ctl._measurements
+    m = ctl._measurer.measurements
     assert m is not None and m.source == "warm-up"
     assert [u.name for u in m.uses] == ["text_encoder", "transformer", "vae"]
     assert [u.forwards for u in m.uses] == [1, 3, 1]
@@ -277,7 +277,7 @@ async def test_declared_uses_replace_the_warm_up() -> None:
     unknown component is refused with the known ones."""
     ctl, _, _, _ = await _demo()
     plan = await ctl.plan("70%", uses=["text_encoder", ("transformer", 0.2, 4), ("vae", 0.01)])
-    m = ctl._measurements
+    m = ctl._measurer.measurements
     assert m is not None and m.source == "declared" and plan.measured_from == "declared"
     assert [(u.name, u.forwards, u.seconds) for u in m.uses] == [
         ("text_encoder", 1, 0.0), ("transformer", 4, 0.2), ("vae", 1, 0.01)]

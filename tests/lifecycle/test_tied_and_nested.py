@@ -72,7 +72,7 @@ def two_controllers(same_names: bool) -> tuple[LifecycleController, dict[str, nn
 
 
 def prefetching(ctl: LifecycleController) -> list[str]:
-    return [n for n, c in ctl._uses.components.items() if c.prefetch is not None]
+    return [n for n, c in ctl._components.items() if c.prefetch is not None]
 
 
 @pytest.mark.parametrize("same_names", [True, False], ids=["same-names", "other-names"])

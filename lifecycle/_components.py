@@ -1,0 +1,299 @@
+"""The attached components: the controller's registry, and how a pipeline's modules become
+components (strategies built, layerwise offload enabled where configured), change shape
+(``set_residency``) and are given back (detach, a refused attach).
+
+The controller owns one :class:`Components` and is the only one to change it: attach installs
+what it built and placed, detach releases it, a residency change swaps strategies at commit.
+``use()`` (``lifecycle._uses``) and the planner's measurements read it. Here too: what a
+forward outside ``use()`` may do, and the bookkeeping every transition does over all
+components (mirror refreshes landed, tensors replaced behind our back taken in again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from torch import nn
+
+from strategies import (
+    ComponentResidencyError,
+    DeviceLayer,
+    ResidencyConfig,
+    ResidencyMode,
+    StoreError,
+    disable_layerwise_offload,
+    enable_layerwise_offload,
+    is_fsdp_managed,
+    is_layerwise_offloaded,
+    layerwise_blocks,
+)
+from strategies.protocol import (
+    ComputeGuard,
+    PreparedMove,
+    Shape,
+    TensorStore,
+    build_strategy,
+    needs_restore,
+    prepare_regroup,
+    prepare_restore,
+)
+
+from . import _events as events
+from ._discard import refuse_stale, stale_counts
+from ._errors import ComponentAsleep, ComponentBusy, ComponentNotPlaced, TransitionRejected
+from ._events import get_logger
+from ._phase import Phase
+from ._results import ComponentPlacement
+from ._uses import Component
+
+__all__ = ["Components", "abandon", "build", "prepare_placement", "prepare_release"]
+
+_log = get_logger("lifecycle")
+
+
+class Components(Mapping[str, Component]):
+    """The attached components by name (none while detached), and the modules made
+    layerwise-capable for them. ``phase`` and ``transition``: the controller's now (what a
+    forward may do depends on them); ``rank`` and ``controller_id``: named in events."""
+
+    def __init__(self, layer: DeviceLayer, phase: Callable[[], Phase],
+                 transition: Callable[[], str | None], rank: Callable[[], int],
+                 controller_id: int) -> None:
+        self._layer = layer
+        self._phase = phase
+        self._transition = transition
+        self._rank = rank
+        self._controller_id = controller_id
+        self._by_name: dict[str, Component] = {}
+        self._enabled: list[nn.Module] = []  # modules layerwise offload was enabled on by us
+
+    def __getitem__(self, name: str) -> Component:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def component(self, name: str) -> Component:
+        """Component ``name``, or a KeyError naming the components there are."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no component {name!r}; components: {sorted(self._by_name)}") \
+                from None
+
+    def stores(self) -> dict[str, TensorStore]:
+        return {n: c.strategy.store for n, c in self._by_name.items()}
+
+    def device_bytes(self) -> int:
+        return sum(c.strategy.store.device_bytes for c in self._by_name.values())
+
+    def stale(self) -> dict[str, int]:
+        """``{name: stale tensors}`` of the stale components (see lifecycle._discard)."""
+        return stale_counts(self._by_name.values())
+
+    def fsdp(self) -> bool:
+        """Whether FSDP places any of them."""
+        return any(c.fsdp for c in self._by_name.values())
+
+    def placements(self, lora_bytes: Callable[[str], int]) -> dict[str, ComponentPlacement]:
+        """Where every component's bytes are right now (``lora_bytes``: of its LoRA bases)."""
+        out = {}
+        for name, c in self._by_name.items():
+            store = c.strategy.store
+            r = store.report()
+            out[name] = ComponentPlacement(c.strategy.mode.value, r.device_bytes, r.host_bytes,
+                                           r.pinned_bytes, store.nbytes, lora_bytes(name),
+                                           store.stale_count)
+        return out
+
+    def check_forward(self, name: str) -> None:
+        """Run before every forward of component ``name`` outside ``use()``: refuses one
+        while sleeping, unplaced, stale, or streaming while its stores move or are written."""
+        phase = self._phase()
+        if phase is Phase.SLEEPING:
+            raise ComponentAsleep(name)
+        strategy = self._by_name[name].strategy
+        if phase is not Phase.UNINITIALIZED and not strategy.ready():
+            raise ComponentNotPlaced(name, strategy.mode.value)
+        if strategy.store.stale_count:
+            refuse_stale([self._by_name[name]])
+        # Uses are drained before either is set: a forward now runs outside use(), and a
+        # streaming one would fetch from (or evict into) host stores the move or the update
+        # is copying or writing.
+        transition = self._transition()
+        if strategy.streams and (phase is Phase.UPDATING_WEIGHTS or transition is not None):
+            raise ComponentBusy(name, transition or "a weight update")
+
+    # -- what every transition does first ----------------------------------------------
+    async def land_refreshes(self, discard: frozenset[str] = frozenset()) -> None:
+        """Wait for every mirror refresh still running after a weight update (only what
+        is in flight: a landed one costs a look-up); report those that failed (their
+        tensors stay stale, so the next sleep copies them). The refreshes of components a
+        sleep discards are cancelled instead (what they copy is dropped)."""
+        for c in self._by_name.values():
+            store = c.strategy.store
+            if c.name in discard or store.stale_count:
+                await store.cancel_refresh()
+                continue
+            stale = await store.land_refresh()
+            if stale is not None:
+                self.mirror_stale(c.name, stale)
+
+    def mirror_stale(self, component: str, error: BaseException) -> None:
+        """Report a mirror refresh that failed (the next sleep copies what it left)."""
+        _log.warning(events.UPDATE_MIRROR_STALE, component=component,
+                     error=f"{type(error).__name__}: {error}", rank=self._rank(),
+                     controller=self._controller_id)
+
+    def rescan(self, trigger: str) -> None:
+        """Re-inventory components whose tensors were replaced behind our back; where that
+        cannot be done safely, refuse ``trigger`` before anything moves."""
+        for c in self._by_name.values():
+            store = c.strategy.store
+            if store.structure_changed() or store.drifted():
+                _log.warning(events.STORE_RESCAN, component=c.name,
+                             drifted=store.drifted()[:8], rank=self._rank(),
+                             controller=self._controller_id)
+                try:
+                    store.rescan()
+                except StoreError as exc:
+                    raise TransitionRejected(trigger, self._phase(), str(exc)) from exc
+
+    # -- attach / detach ---------------------------------------------------------------
+    def install(self, components: dict[str, Component], enabled: list[nn.Module]) -> None:
+        """Take ``components`` (built and placed by attach) as the attached ones, their
+        forwards checked."""
+        self._by_name, self._enabled = components, enabled
+        for c in components.values():
+            check = functools.partial(self.check_forward, c.name)
+            c.strategy.forward_check = check
+            c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
+                                   root_check=self._layer.check_compute)
+
+    def release(self) -> None:
+        """Forget every component (detach): guards and hooks removed, layerwise marks
+        taken back."""
+        for c in self._by_name.values():
+            if c.guard:
+                c.guard.remove()
+        abandon(self._by_name.values(), self._enabled)
+        self._by_name, self._enabled = {}, []
+
+    # -- residency while attached ------------------------------------------------------
+    def reshapes(self, config: ResidencyConfig) -> dict[str, Shape]:
+        """The components whose shape (mode and tuning) ``config`` changes, with their new
+        shapes; refused before anything moves for an FSDP-placed or a discarded one."""
+        config.validate_components(self._by_name)
+        wanted: dict[str, Shape] = {}
+        for name, c in self._by_name.items():
+            shape = Shape.wanted(name, c.module, config)
+            if shape != Shape.of(c.strategy):
+                if c.fsdp:
+                    raise ComponentResidencyError(
+                        f"Component {name!r} is FSDP-managed: FSDP owns its placement, so its "
+                        f"residency stays {c.strategy.mode.value}")
+                wanted[name] = shape
+        emptied = [n for n in wanted if self._by_name[n].strategy.store.discarded is not None]
+        if emptied:
+            raise TransitionRejected("set_residency", self._phase(), f"components {emptied} were "
+                                     "discarded by the sleep: wake first (their residency can "
+                                     "change once they have places again)")
+        return wanted
+
+    async def prepare_shape(self, c: Component, shape: Shape) -> PreparedMove:
+        """Prepare ``c``'s move to ``shape``: a new store over the old one's storages, placed
+        as the phase wants; the strategies are swapped at commit."""
+        old = c.strategy.store
+        new = shape.store(c.name, c.module, self._layer, layout=old)
+        on_device = shape.awake_units(new) if self._phase() is Phase.AWAKE else []
+        move = await prepare_regroup(old, new, on_device)
+
+        def swap() -> None:
+            c.strategy.close()
+            strategy = shape.strategy(c.name, new)
+            strategy.forward_check = functools.partial(self.check_forward, c.name)
+            c.strategy = strategy
+            if shape.mode is ResidencyMode.LAYERWISE_OFFLOAD:
+                if c.module not in self._enabled:
+                    self._enabled.append(c.module)
+            elif c.module in self._enabled:
+                self._enabled.remove(c.module)
+
+        move.on_commit = swap
+        return move
+
+
+def build(found: Mapping[str, nn.Module], config: ResidencyConfig, layer: DeviceLayer
+          ) -> tuple[dict[str, Component], list[nn.Module]]:
+    """Strategies for every component, enabling layerwise offload where it is configured
+    and possible; on any refusal nothing is left changed. Returns the components and
+    the modules layerwise offload was enabled on."""
+    enabled: list[nn.Module] = []
+    components: dict[str, Component] = {}
+    try:
+        for name, module in found.items():
+            if config.mode_for(name) is not ResidencyMode.LAYERWISE_OFFLOAD:
+                continue
+            lists = config.layers_for(name)
+            if is_layerwise_offloaded(module):
+                if lists is not None and tuple(lists) != layerwise_blocks(module):
+                    raise ComponentResidencyError(
+                        f"Component {name!r} was loaded streaming block lists "
+                        f"{list(layerwise_blocks(module))}, but layers names {list(lists)}")
+            elif lists is not None:
+                try:
+                    enable_layerwise_offload(module, lists)
+                except ValueError as exc:
+                    raise ComponentResidencyError(f"Component {name!r}: {exc}") from None
+                enabled.append(module)
+            else:
+                with contextlib.suppress(ValueError):  # build_strategy says why not
+                    enable_layerwise_offload(module)
+                    enabled.append(module)
+        for name, module in found.items():
+            components[name] = Component(name, module, build_strategy(name, module, config, layer),
+                                         fsdp=is_fsdp_managed(module))
+    except BaseException:
+        abandon(components.values(), enabled)
+        raise
+    return components, enabled
+
+
+def abandon(components: Iterable[Component], enabled: list[nn.Module]) -> None:
+    """Undo a refused or failed attach: hooks removed, layerwise marks taken back."""
+    for c in components:
+        c.strategy.close()
+    for module in enabled:
+        disable_layerwise_offload(module)
+
+
+async def prepare_placement(components: Iterable[Component], moves: list[PreparedMove]) -> None:
+    """Every component's move to its awake placement (attach): its awake units to the
+    device, the others to the host."""
+    for c in components:
+        store = c.strategy.store
+        wanted = c.strategy.awake_units()
+        moves.append(await store.prepare_to_device([u for u in wanted if u.where == "host"]))
+        moves.append(await store.prepare_to_host(
+            [u for u in store.select("device") if u not in wanted]))
+
+
+async def prepare_release(components: Iterable[Component], moves: list[PreparedMove]) -> None:
+    """Every component's move to the host, its mirrors current (detach)."""
+    for c in components:
+        store = c.strategy.store
+        if needs_restore(store):
+            # The module gets its own storages back (not views of our flat mirrors, not
+            # pinned memory): as it came, so another tool (or another controller) can place
+            # it per storage again.
+            moves.append(await prepare_restore(store))
+        else:
+            moves.append(await store.prepare_to_host(store.select("device")))

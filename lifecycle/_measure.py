@@ -1,0 +1,228 @@
+"""Measuring a pipeline for the planner (``lifecycle._planner``), and checking a plan.
+
+A plan is made from every component's sizes (its inventory, taken under the controller's
+lock), the link's rate and per-copy latency, and which components a request uses, in what
+order, how often and for how long: a warm-up request recorded through ``use()`` (with
+forward pre-hooks counting each component's root forwards), uses declared by the caller,
+or each component once in attach order. Measurements are taken once and reused, so plans for
+different budgets are comparable. A plan applied after a warm-up is checked by one request
+(:meth:`Measurer.validate`); ``residency="auto"`` plans from sizes alone at attach.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from torch import nn
+
+from strategies import DeviceLayer, ResidencyConfig, is_fsdp_managed
+from strategies.protocol import TensorStore
+
+from . import _events as events
+from ._components import Components
+from ._events import get_logger
+from ._planner import (
+    ComponentSizes,
+    Measurements,
+    ResidencyPlan,
+    Use,
+    declared_uses,
+    make_plan,
+    parse_budget,
+)
+from ._results import ResidencyChange
+from ._uses import Recording, Uses
+
+__all__ = ["DeclaredUses", "Measurer", "Request", "is_auto"]
+
+_log = get_logger("lifecycle")
+_SIZES_ONLY = "sizes (each component once, in attach order)"
+
+#: One representative request through the controller, e.g. ``lambda: pipe.generate(ctl=ctl)``.
+Request = Callable[[], Awaitable[object]]
+#: A request's uses declared instead of measured: names, or ``(name, seconds[, forwards])``.
+DeclaredUses = Sequence[str | tuple[str, float] | tuple[str, float, int]]
+
+
+def is_auto(residency: object, device_budget: object) -> bool:
+    """Whether ``residency`` is ``"auto"``: plan at attach, from sizes alone, under
+    ``device_budget`` (which only that takes, and which it needs)."""
+    auto = isinstance(residency, str) and residency.strip().lower() == "auto"
+    if auto and device_budget is None:
+        raise ValueError("residency='auto' needs a device_budget (bytes, '20GiB' or '90%')")
+    if device_budget is not None and not auto:
+        raise ValueError("device_budget is used with residency='auto' (or pass it to "
+                         "plan()); got residency=" + repr(residency))
+    return auto
+
+
+class Measurer:
+    """The planner's measurements of one controller's pipeline, and the plans made from
+    them. ``lock``: the controller's (no move while inventories are taken); ``threads``:
+    the library's worker threads; ``rank`` and ``controller_id``: named in events."""
+
+    def __init__(self, layer: DeviceLayer, components: Components, uses: Uses,
+                 lock: anyio.Lock, threads: anyio.CapacityLimiter, rank: Callable[[], int],
+                 controller_id: int) -> None:
+        self._layer = layer
+        self._components = components
+        self._uses = uses
+        self._lock = lock
+        self._threads = threads
+        self._rank = rank
+        self._controller_id = controller_id
+        self.measurements: Measurements | None = None
+        self.warmup: Request | None = None  # the last warm-up measured (validates its plans)
+
+    async def plan(self, device_budget: int | float | str, warmup: Request | None,
+                   uses: DeclaredUses | None, activation_reserve: int | None,
+                   remeasure: bool) -> ResidencyPlan:
+        """See :meth:`LifecycleController.plan` (``activation_reserve``: None keeps the
+        measured one)."""
+        t0 = time.perf_counter()
+        m = await self._measure(warmup, uses, remeasure)
+        if activation_reserve is not None:
+            m = dataclasses.replace(m, activation_reserve=int(activation_reserve))
+        plan, _ = await self._make(m, device_budget, t0)
+        return dataclasses.replace(plan, warmup=warmup)
+
+    async def plan_at_attach(self, found: Mapping[str, nn.Module],
+                             device_budget: int | float | str, activation_reserve: int
+                             ) -> ResidencyPlan:
+        """residency='auto': a plan from sizes alone (each component used once per request,
+        in attach order), before anything is placed."""
+        t0 = time.perf_counter()
+        sizes = tuple(ComponentSizes.of(n, m, TensorStore(n, m, self._layer),
+                                        is_fsdp_managed(m)) for n, m in found.items())
+        bandwidth, latency = await self._measure_link(sizes)
+        m = Measurements(sizes, tuple(Use(n) for n in found), bandwidth, 0.0, activation_reserve,
+                         _SIZES_ONLY, latency, self._layer.copies_overlap_compute)
+        plan, budget = await self._make(m, device_budget, t0)
+        _log.info(events.PLAN_APPLIED, config=plan.config.to_string(), budget=budget,
+                  predicted_peak=plan.predicted_peak_bytes, rank=self._rank(),
+                  controller=self._controller_id)
+        return plan
+
+    async def _make(self, m: Measurements, device_budget: int | float | str, started: float
+                    ) -> tuple[ResidencyPlan, int]:
+        """The plan for ``device_budget`` (resolved against the free device memory) and the
+        budget in bytes."""
+        budget = parse_budget(device_budget, free_bytes=self._free_bytes(),
+                              pipeline_bytes=m.pipeline_bytes)
+        # The search is pure Python (milliseconds to a fraction of a second): off the loop.
+        plan = await anyio.to_thread.run_sync(
+            functools.partial(make_plan, m, budget, planner_started=started),
+            limiter=self._threads)
+        return plan, budget
+
+    def _free_bytes(self) -> int | None:
+        """Device bytes a plan may use: free now plus what the library holds (it can move)."""
+        free = self._layer.free_bytes()
+        return None if free is None else free + self._layer.held_bytes
+
+    async def _measure(self, warmup: Request | None, uses: DeclaredUses | None,
+                       remeasure: bool) -> Measurements:
+        cached = self.measurements
+        source = "warm-up" if warmup is not None else "declared" if uses is not None else None
+        if cached is not None and not remeasure and (source is None or source == cached.source) \
+                and uses is None:
+            return cached
+        components = list(self._components.items())
+        async with self._lock:  # no move while the inventories are taken (in a worker thread)
+            sizes = await anyio.to_thread.run_sync(lambda: tuple(
+                ComponentSizes.of(n, c.module, c.strategy.store, c.fsdp) for n, c in components),
+                limiter=self._threads)
+        bandwidth, latency = await self._measure_link(sizes)
+        reserve, other = 0, 0.0
+        if warmup is not None:
+            trace, other, reserve = await self._record(warmup)
+            self.warmup = warmup
+        elif uses is not None:
+            trace = declared_uses(uses, self._components)
+        else:
+            trace = tuple(Use(n) for n in self._components)
+        m = Measurements(sizes, trace, bandwidth, other, reserve, source or _SIZES_ONLY, latency,
+                         self._layer.copies_overlap_compute)
+        self.measurements = m
+        return m
+
+    async def _measure_link(self, sizes: Sequence[ComponentSizes]) -> tuple[float, float]:
+        """The link's rate and per-copy seconds, measured with copies the size of the
+        pipeline's typical move (its largest layer, else its largest component; 1 MiB to
+        256 MiB): allocators behave differently at different sizes."""
+        typical = max((max(s.layers) if s.layers else s.whole for s in sizes), default=2**20)
+        nbytes = min(max(typical, 2**20), 256 * 2**20)
+        return await anyio.to_thread.run_sync(self._layer.measure_link, nbytes,
+                                              limiter=self._threads)
+
+    async def _record(self, warmup: Request) -> tuple[tuple[Use, ...], float, int]:
+        """Run ``warmup`` once, recording every use; returns the uses, the seconds outside
+        any use, and the activation bytes seen on the device (CUDA; 0 on the CPU)."""
+        recording = Recording(forwards=dict.fromkeys(self._components, 0))
+        counts = recording.forwards
+        handles = []
+        for name, c in self._components.items():
+
+            def count(module: nn.Module, args: Any, name: str = name) -> None:
+                counts[name] += 1
+            handles.append(c.module.register_forward_pre_hook(count))
+        self._layer.reset_peak()
+        t0 = time.perf_counter()
+        try:
+            with self._uses.recording(recording):
+                await warmup()
+        finally:
+            total = time.perf_counter() - t0
+            for h in handles:
+                h.remove()
+        allocator = self._layer.allocator_peak()
+        reserve = 0 if allocator is None else max(0, allocator - self._layer.peak_bytes)
+        records = recording.uses
+        trace: list[Use] = []
+        for k, r in enumerate(records):
+            prev = records[k - 1] if k else None
+            prefetched = bool(
+                prev is not None and self._uses.prefetch_components and r.request is not None
+                and prev.request == r.request and prev.name != r.name
+                and prev.name in r.order and r.name in r.order
+                and r.order.index(r.name) == r.order.index(prev.name) + 1)
+            trace.append(Use(r.name, max(1, r.forwards), r.seconds, prefetched,
+                             prev.seconds if prev is not None else 0.0))
+        other = max(0.0, total - sum(r.seconds + r.placing_seconds for r in records))
+        return tuple(trace), other, reserve
+
+    async def validate(self, plan: ResidencyPlan, change: ResidencyChange, request: Request,
+                       restore: Callable[[ResidencyConfig], Awaitable[object]],
+                       previous: ResidencyConfig, tolerance: float) -> ResidencyChange:
+        """Run one request under the applied plan; ``restore(previous)`` if its peak passed
+        the budget or it ran more than ``tolerance`` slower than predicted."""
+        self._layer.reset_peak()
+        t0 = time.perf_counter()
+        await request()
+        seconds = time.perf_counter() - t0
+        peak = self._layer.peak_bytes
+        why = []
+        if peak + plan.activation_reserve > plan.budget_bytes:
+            why.append(f"measured peak {peak} B (+{plan.activation_reserve} B reserve) exceeds "
+                       f"the budget of {plan.budget_bytes} B")
+        if seconds > plan.predicted_seconds * (1 + tolerance) + 1e-4:
+            why.append(f"the request took {seconds * 1e3:.2f} ms, more than {tolerance:.0%} over "
+                       f"the predicted {plan.predicted_seconds * 1e3:.2f} ms")
+        result = dataclasses.replace(
+            change, validated=True, measured_peak_bytes=peak, measured_seconds=seconds,
+            predicted_peak_bytes=plan.predicted_peak_bytes,
+            predicted_seconds=plan.predicted_seconds)
+        if not why:
+            return dataclasses.replace(result, message=result.message + "; validated")
+        await restore(previous)
+        _log.warning(events.PLAN_ROLLED_BACK, reason="; ".join(why), rank=self._rank(),
+                     controller=self._controller_id)
+        return dataclasses.replace(
+            result, success=False, rolled_back=True,
+            message="plan undone, previous residency restored: " + "; ".join(why))

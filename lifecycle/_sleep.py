@@ -1,0 +1,109 @@
+"""Sleep and wake, described once: which units each moves, how each component's move is
+prepared (a discarding sleep's too: see lifecycle._discard), which bytes a progress bar
+counts, and what happens around the move. The controller's ``_move_all`` runs either
+through a :class:`Run`, inside its transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from strategies import ResidencyStrategy
+from strategies.protocol import DiscardMove, Move, PreparedMove, UndiscardMove, Unit
+
+from . import _events as events
+from ._discard import prepare_sleep, prepare_wake
+from ._events import get_logger
+from ._phase import Phase
+from ._results import OccupationResult
+from ._units import gbps
+from ._uses import Component
+
+__all__ = ["DIRECTIONS", "Direction", "Run"]
+
+_log = get_logger("lifecycle")
+
+
+@dataclass(frozen=True)
+class Direction:
+    """What sleep or wake does: which units move, how they are prepared, which bytes a
+    progress bar counts, and what happens around the move."""
+
+    select: Callable[[ResidencyStrategy], list[Unit]]
+    # (component, its selected units, progress, the components a sleep discards)
+    prepare: Callable[[Component, list[Unit], Callable[[int], None], frozenset[str]],
+                      Awaitable[Move | DiscardMove | UndiscardMove]]
+    counts: Callable[[Unit], bool]  # bytes that will really be copied
+    resync: bool  # take inventory again first (tensors replaced behind our back)
+    empty_cache: bool  # give the freed blocks back to the driver after
+
+
+DIRECTIONS: dict[str, Direction] = {
+    "sleep": Direction(
+        select=lambda s: s.store.select("device"),
+        prepare=prepare_sleep,
+        counts=lambda u: u.dirty(), resync=True, empty_cache=True),
+    "wake": Direction(
+        select=lambda s: [u for u in s.awake_units() if u.where == "host"],
+        prepare=lambda c, units, progress, _: prepare_wake(c, units, progress),
+        counts=lambda u: True, resync=False, empty_cache=False),
+}
+
+
+class Run:
+    """One sleep or wake of ``components``: prepares every component's move (a debug
+    event each), tells ``progress`` ``(trigger, bytes copied so far, bytes to copy)`` as
+    copies land, and notes the components a sleep discarded (those in ``discard``, and
+    stale ones). ``rank`` and ``controller_id``: named in events."""
+
+    def __init__(self, trigger: str, components: Iterable[Component], discard: frozenset[str],
+                 progress: Callable[[str, int, int], None] | None, rank: int,
+                 controller_id: int) -> None:
+        self.trigger = trigger
+        way = self.way = DIRECTIONS[trigger]
+        self._plan = [(c, way.select(c.strategy)) for c in components]
+        self._discard = discard
+        self._progress = progress
+        self._rank = rank
+        self._controller_id = controller_id
+        self._done = 0
+        self._total = 0 if progress is None else sum(
+            u.nbytes for _, units in self._plan for u in units if way.counts(u))
+        self.discarded: list[str] = []
+
+    async def prepare(self, moves: list[PreparedMove]) -> None:
+        """Append every component's prepared move to ``moves`` (the transaction's)."""
+        for c, units in self._plan:
+            m0 = time.perf_counter()
+            move = await self.way.prepare(c, units, self._copied, self._discard)
+            moves.append(move)
+            if isinstance(move, DiscardMove):
+                self.discarded.append(c.name)
+            self._event(c.name, move, time.perf_counter() - m0)
+
+    def _copied(self, nbytes: int) -> None:
+        self._done += nbytes
+        if self._progress is not None:
+            self._progress(self.trigger, self._done, self._total)
+
+    def _event(self, component: str, move: Move | DiscardMove | UndiscardMove,
+               seconds: float) -> None:
+        if not events.wanted(_log, logging.DEBUG):
+            return
+        _log.debug(events.MOVE_PREPARED, component=component, to=move.to, units=len(move.units),
+                   bytes=move.bytes_copied, seconds=round(seconds, 6),
+                   gbps=round(gbps(move.bytes_copied, seconds), 3),
+                   rank=self._rank, controller=self._controller_id)
+
+    def result(self, phase: Phase, copied: int, released: int, seconds: float
+               ) -> OccupationResult:
+        """The committed run's answer, ``phase`` the phase it committed."""
+        discarded = self.discarded
+        message = f"{self.trigger} succeeded" + (
+            f" (discarded {discarded}: no host copy; update their weights after the wake)"
+            if discarded else "")
+        return OccupationResult(True, phase is Phase.SLEEPING, message, phase, copied, released,
+                                seconds, discarded=tuple(discarded))
