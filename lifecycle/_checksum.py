@@ -22,21 +22,29 @@ the controller: hashing runs in a worker thread.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
-from collections.abc import Iterable, Mapping
-from typing import Literal, get_args
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, get_args
 
+import anyio
+import anyio.to_thread
 import torch
 from torch import nn
 
 from strategies.protocol import TensorStore
 
-from ._errors import InvalidRequest
-from ._results import TensorHashCheck
+from ._discard import refuse_stale
+from ._errors import InvalidRequest, UnknownComponent
+from ._results import RankChecksums, TensorHashCheck
 from ._updates import checksum as full_checksum
 
-__all__ = ["ALGORITHMS", "ChecksumAlgorithm", "check_expected", "check_hashes", "component_checksum",
-           "reference_checksum", "tensor_sha256"]
+if TYPE_CHECKING:
+    from ._components import Components
+    from ._group import Collective
+
+__all__ = ["ALGORITHMS", "ChecksumAlgorithm", "Checksums", "check_expected", "check_hashes",
+           "component_checksum", "reference_checksum", "tensor_sha256"]
 
 ChecksumAlgorithm = Literal["reference", "full"]
 ALGORITHMS: tuple[str, ...] = get_args(ChecksumAlgorithm)
@@ -125,3 +133,51 @@ def check_hashes(store: TensorStore, target: str, expected: Mapping[str, str]
     return TensorHashCheck(False, f"{len(mismatched) + len(missing)} of {checked} tensor(s) "
                            f"of {target} do not match; " + "; ".join(parts), target, checked,
                            tuple(mismatched), tuple(missing))
+
+
+class Checksums:
+    """One controller's checksums of its attached components (``components``): hashed in its
+    worker threads (``threads``) under its lock, so that no move or update runs meanwhile, and
+    gathered from every rank through its collective (``ranks``; ``rank``: its rank now)."""
+
+    def __init__(self, components: Components, lock: anyio.Lock,
+                 threads: anyio.CapacityLimiter, ranks: Collective, rank: Callable[[], int]
+                 ) -> None:
+        self._components = components
+        self._lock = lock
+        self._threads = threads
+        self._ranks = ranks
+        self._rank = rank
+
+    def now(self, names: Sequence[str] | None, algorithm: ChecksumAlgorithm) -> dict[str, str]:
+        """``{component: checksum}`` of ``names`` (every component for None), in this thread;
+        a stale one raises :class:`WeightsDiscarded`."""
+        attached = [self._components.component(n)
+                    for n in (list(self._components) if names is None else list(names))]
+        refuse_stale(attached)
+        return {c.name: component_checksum(c.module, c.strategy.store, algorithm) for c in attached}
+
+    async def locked(self, names: Sequence[str] | None, algorithm: ChecksumAlgorithm
+                     ) -> dict[str, str]:
+        """:meth:`now` in a worker thread, under the lock."""
+        async with self._lock:
+            return await anyio.to_thread.run_sync(
+                functools.partial(self.now, names, algorithm), limiter=self._threads)
+
+    async def across_ranks(self, names: Sequence[str] | None, algorithm: ChecksumAlgorithm
+                           ) -> RankChecksums:
+        """Every rank's :meth:`locked` (collective: every rank calls it)."""
+        return await self._ranks.checksums(await self.locked(names, algorithm), self._rank())
+
+    async def tensors(self, target: str, expected: Mapping[str, str]) -> TensorHashCheck:
+        """:func:`check_hashes` of ``target``'s store (checked first: ``expected``, then that
+        ``target`` is attached), in a worker thread under the lock."""
+        wanted = check_expected(expected)
+        if target not in self._components:
+            raise UnknownComponent(target, list(self._components))
+        async with self._lock:
+            component = self._components.component(target)
+            refuse_stale([component])  # its stale tensors hold undefined values
+            return await anyio.to_thread.run_sync(check_hashes, component.strategy.store,
+                                                  target, wanted,
+                                                  limiter=self._threads)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 
+import anyio
 from torch import nn
 
 from strategies import (
@@ -45,25 +47,25 @@ from ._discard import refuse_stale, stale_counts
 from ._errors import ComponentAsleep, ComponentBusy, ComponentNotPlaced, TransitionRejected
 from ._events import get_logger
 from ._phase import Phase
-from ._results import ComponentPlacement
+from ._results import ComponentPlacement, PlacementReport
 from ._uses import Component
 
-__all__ = ["Components", "abandon", "build", "prepare_placement", "prepare_release"]
+__all__ = ["Components", "abandon", "adopt", "build", "prepare_placement", "prepare_release"]
 
 _log = get_logger("lifecycle")
 
 
 class Components(Mapping[str, Component]):
     """The attached components by name (none while detached), and the modules made
-    layerwise-capable for them. ``phase`` and ``transition``: the controller's now (what a
-    forward may do depends on them); ``rank`` and ``controller_id``: named in events."""
+    layerwise-capable for them. ``phase``: the controller's now, and ``transition``: the move
+    it is making (:meth:`moving`): what a forward may do depends on them; ``rank`` and
+    ``controller_id``: named in events."""
 
-    def __init__(self, layer: DeviceLayer, phase: Callable[[], Phase],
-                 transition: Callable[[], str | None], rank: Callable[[], int],
+    def __init__(self, layer: DeviceLayer, phase: Callable[[], Phase], rank: Callable[[], int],
                  controller_id: int) -> None:
         self._layer = layer
         self._phase = phase
-        self._transition = transition
+        self.transition: str | None = None
         self._rank = rank
         self._controller_id = controller_id
         self._by_name: dict[str, Component] = {}
@@ -99,6 +101,14 @@ class Components(Mapping[str, Component]):
         """``{name: stale tensors}`` of the stale components (see lifecycle._discard)."""
         return stale_counts(self._by_name.values())
 
+    def warn_if_stale(self) -> None:
+        """Before a detach: warn naming the stale components, if any (it leaves their
+        discarded tensors with undefined values)."""
+        stale = self.stale()
+        if stale:
+            _log.warning(events.DETACH_STALE, components=stale, rank=self._rank(),
+                         controller=self._controller_id)
+
     def fsdp(self) -> bool:
         """Whether FSDP places any of them."""
         return any(c.fsdp for c in self._by_name.values())
@@ -114,6 +124,17 @@ class Components(Mapping[str, Component]):
                                            store.stale_count)
         return out
 
+    def report(self, lora_bytes: Callable[[str], int], world_size: int, label: str | None
+               ) -> PlacementReport:
+        """The controller's ``report()``: :meth:`placements`, and the device's bytes."""
+        reserved = self._layer.reserved()
+        return PlacementReport(self._phase(), MappingProxyType(self.placements(lora_bytes)),
+                               self._layer.memory_allocated(), self._rank(), world_size,
+                               self._layer.peak_bytes, self._layer.allocator_peak(),
+                               reserved_bytes=None if reserved is None else reserved[0],
+                               reserved_peak_bytes=None if reserved is None else reserved[1],
+                               weight_version=label)
+
     def check_forward(self, name: str) -> None:
         """Run before every forward of component ``name`` outside ``use()``: refuses one
         while sleeping, unplaced, stale, or streaming while its stores move or are written."""
@@ -128,9 +149,19 @@ class Components(Mapping[str, Component]):
         # Uses are drained before either is set: a forward now runs outside use(), and a
         # streaming one would fetch from (or evict into) host stores the move or the update
         # is copying or writing.
-        transition = self._transition()
+        transition = self.transition
         if strategy.streams and (phase is Phase.UPDATING_WEIGHTS or transition is not None):
             raise ComponentBusy(name, transition or "a weight update")
+
+    @contextlib.contextmanager
+    def moving(self, trigger: str) -> Iterator[None]:
+        """Name ``trigger`` as the move in progress while its moves are prepared and
+        committed (a streaming component's forwards are refused meanwhile)."""
+        self.transition = trigger
+        try:
+            yield
+        finally:
+            self.transition = None
 
     # -- what every transition does first ----------------------------------------------
     async def land_refreshes(self, discard: frozenset[str] = frozenset()) -> None:
@@ -152,6 +183,23 @@ class Components(Mapping[str, Component]):
         _log.warning(events.UPDATE_MIRROR_STALE, component=component,
                      error=f"{type(error).__name__}: {error}", rank=self._rank(),
                      controller=self._controller_id)
+
+    @staticmethod
+    async def undo(moves: Sequence[PreparedMove]) -> None:
+        """Undo prepared ``moves``, the last first (shielded: a rollback runs to its end)."""
+        with anyio.CancelScope(shield=True):
+            for move in reversed(moves):
+                await move.undo()
+
+    async def settle(self, moves: Sequence[PreparedMove]) -> int:
+        """After commit, the work that cannot undo it (a write starts its mirror refresh,
+        which runs in the background; its errors are reported when it is landed). Returns
+        the bytes the moves copied."""
+        for move in moves:
+            stale = await move.settle()
+            if stale is not None:
+                self.mirror_stale(move.store.name, stale)
+        return sum(m.bytes_copied for m in moves)
 
     def rescan(self, trigger: str) -> None:
         """Re-inventory components whose tensors were replaced behind our back; where that
@@ -207,6 +255,19 @@ class Components(Mapping[str, Component]):
                                      "discarded by the sleep: wake first (their residency can "
                                      "change once they have places again)")
         return wanted
+
+    def reshaping(self, config: ResidencyConfig) -> tuple[
+            dict[str, tuple[str, str]], Callable[[list[PreparedMove]], Awaitable[None]]]:
+        """``config``'s change (see :meth:`reshapes`): ``{name: (old mode, new mode)}`` of
+        every component it reshapes, and what prepares their moves."""
+        wanted = self.reshapes(config)
+        changed = {n: (self[n].strategy.mode.value, s.mode.value) for n, s in wanted.items()}
+
+        async def prepare(moves: list[PreparedMove]) -> None:
+            for name, shape in wanted.items():
+                moves.append(await self.prepare_shape(self[name], shape))
+
+        return changed, prepare
 
     async def prepare_shape(self, c: Component, shape: Shape) -> PreparedMove:
         """Prepare ``c``'s move to ``shape``: a new store over the old one's storages, placed
@@ -273,6 +334,15 @@ def abandon(components: Iterable[Component], enabled: list[nn.Module]) -> None:
         c.strategy.close()
     for module in enabled:
         disable_layerwise_offload(module)
+
+
+async def adopt(components: Iterable[Component]) -> int:
+    """Attach, before placing: the bytes of tensors loaded on the host copied into the
+    stores' own mirrors (see ``TensorStore.adopt``)."""
+    adopted = 0
+    for c in components:
+        adopted += await c.strategy.store.adopt()
+    return adopted
 
 
 async def prepare_placement(components: Iterable[Component], moves: list[PreparedMove]) -> None:

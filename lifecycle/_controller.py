@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from types import MappingProxyType
 from typing import Any, Self, TypeVar
 
@@ -29,16 +28,16 @@ from strategies import DeviceLayer, ResidencyConfig, ResidencyStrategy, make_dev
 from strategies.protocol import PreparedMove
 
 from . import _events as events
+from . import _results as results
 from ._admission import Admission
-from ._checksum import ChecksumAlgorithm, check_expected, check_hashes, component_checksum
-from ._components import Components, abandon, build, prepare_placement, prepare_release
-from ._discard import Discard, refuse_stale, resolve_discard, still_stale
+from ._checksum import ChecksumAlgorithm, Checksums
+from ._components import Components, abandon, adopt, build, prepare_placement, prepare_release
+from ._discard import Discard, resolve_discard, with_stale
 from ._errors import (
     NOT_INITIALIZED,
     GroupBroken,
     TransitionFailed,
     TransitionRejected,
-    UnknownComponent,
     failures_roll_back,
     forget_locals,
 )
@@ -49,20 +48,10 @@ from ._measure import Measurer, is_auto
 from ._phase import Phase, PhaseMachine, Refusal, Rule, refusal
 from ._pipeline import components_of
 from ._planner import ResidencyPlan
-from ._results import (
-    OccupationResult,
-    PlacementReport,
-    RankChecksums,
-    ResidencyChange,
-    TensorHashCheck,
-    UpdateResult,
-    WeightUpdateGroupResult,
-    WeightUpdateGroupState,
-)
-from ._sleep import DIRECTIONS, Run
-from ._units import gbps
+from ._results import OccupationResult, ResidencyChange, UpdateResult
+from ._sleep import Run
 from ._updates import UpdatePlan, UpdateRefused, plan_from_disk, version_label
-from ._uses import Component, Uses
+from ._uses import Uses
 from ._weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightSync
 
 __all__ = ["LifecycleController"]
@@ -116,24 +105,24 @@ class LifecycleController:
         # fast_acquire: an uncontended acquire does not yield to the loop (a clean sleep is
         # bookkeeping only; the moves themselves checkpoint between chunks).
         self._lock = anyio.Lock(fast_acquire=True)
-        self._transition: str | None = None
-        self._components = Components(self._layer, lambda: self.phase, lambda: self._transition,
-                                      lambda: self.rank, self.id)  # the attached ones
-        # A request prefetch starts only when the device has the next component's bytes plus
-        # ``prefetch_headroom`` free (the running component's activations need room too).
-        self._uses = Uses(self._admission, self._layer, self._components, lambda: self.phase,
-                          self.wake, lambda: self.rank, self.id, auto_wake=auto_wake,
-                          prefetch_components=prefetch_components,
-                          prefetch_headroom=prefetch_headroom)
-        self._version = 0
+        self._components = Components(self._layer, lambda: self.phase, lambda: self.rank,
+                                      self.id)  # the attached ones
         # Worker threads for planning, reading and hashing: the library's own, so that it
         # never takes the application's share of anyio's default limiter.
         self._threads = anyio.CapacityLimiter(2)
-        self._measurer = Measurer(self._layer, self._components, self._uses, self._lock,
-                                  self._threads, lambda: self.rank, self.id)
+        # A request prefetch starts only when the device has the next component's bytes plus
+        # ``prefetch_headroom`` free (the running component's activations need room too).
+        self._uses = Uses(self._admission, self._layer, self._components, lambda: self.phase,
+                          self.wake, lambda: self.rank, self.id, self._threads,
+                          auto_wake=auto_wake, prefetch_components=prefetch_components,
+                          prefetch_headroom=prefetch_headroom)
+        self._version = 0
+        self._measurer = Measurer(self._uses, self._lock)
         self._lora = LoraBases()  # the pristine bases of LoRA-merged weights (lifecycle._lora)
         self._weight_sync = WeightSync()  # groups joined with trainers (lifecycle._weight_sync)
         self._label: str | None = None  # the trainer's weight_version of the served weights
+        self._checksums = Checksums(self._components, self._lock, self._threads, self._ranks,
+                                    lambda: self.rank)
 
     async def __aenter__(self) -> Self:
         return self
@@ -177,7 +166,7 @@ class LifecycleController:
     @property
     def transition(self) -> str | None:
         """The trigger in progress (gate closed or moving), if any."""
-        return self._transition or self._admission.closed_by
+        return self._components.transition or self._admission.closed_by
 
     @property
     def in_flight(self) -> int:
@@ -197,16 +186,9 @@ class LifecycleController:
     def strategy(self, name: str) -> ResidencyStrategy:
         return self._components.component(name).strategy
 
-    def report(self) -> PlacementReport:
+    def report(self) -> results.PlacementReport:
         """Where every component's bytes are right now."""
-        comps = self._components.placements(self._lora.nbytes)
-        reserved = self._layer.reserved()
-        return PlacementReport(self.phase, MappingProxyType(comps), self._layer.memory_allocated(),
-                               self.rank, self.world_size, self._layer.peak_bytes,
-                               self._layer.allocator_peak(),
-                               reserved_bytes=None if reserved is None else reserved[0],
-                               reserved_peak_bytes=None if reserved is None else reserved[1],
-                               weight_version=self._label)
+        return self._components.report(self._lora.nbytes, self.world_size, self._label)
 
     def reset_peak(self) -> None:
         """Start ``report().peak_device_bytes`` (and, on CUDA, the allocator's peaks of
@@ -255,27 +237,16 @@ class LifecycleController:
             # Several ranks: all commit or none.
             local, failures = await self._ranks.decide(trigger, local)
             if local is not None or failures:
-                with anyio.CancelScope(shield=True):
-                    for move in reversed(moves):
-                        await move.undo()
+                await self._components.undo(moves)
                 error = local if local is not None else RuntimeError(describe(failures))
                 forget_locals(error)  # the frames held the moves' buffers and backups
-                _log.warning(events.TRANSITION_ROLLED_BACK, trigger=trigger,
-                             phase=self.phase.value,
-                             outcome="rolled_back" if isinstance(error, Exception) else "cancelled",
-                             error=f"{type(error).__name__}: {error}", failed_ranks=failures,
-                             rank=self.rank, controller=self.id)
+                events.rolled_back(_log, trigger, self.phase.value, error, failures,
+                                   rank=self.rank, controller=self.id)
                 raise self._ranks.failure(trigger, error, failures, own=local is not None,
                                           drain_timeout=self._admission.drain_timeout)
         for move in moves:
             move.commit()
-        for move in moves:
-            # After commit: work that cannot undo it (a write starts its mirror refresh,
-            # which runs in the background; its errors are reported when it is landed).
-            stale = await move.settle()
-            if stale is not None:
-                self._components.mirror_stale(move.store.name, stale)
-        return sum(m.bytes_copied for m in moves)
+        return await self._components.settle(moves)
 
     # -- attach / detach ---------------------------------------------------------------
     async def attach(self, pipeline: Any) -> Phase:
@@ -293,29 +264,21 @@ class LifecycleController:
                     found, self.device_budget, int(self.activation_reserve or 0))
                 self.config = self.last_plan.config
             self.config.validate_components(found)
+            resolve_discard(self.discard_on_release, found, "discard_on_release")
             components, enabled = build(found, self.config, self._layer)
             with events.bound(transition="attach", transition_id=next(_ids)):
                 t0 = time.perf_counter()
-                self._transition = "attach"
                 try:
-                    copied = await self._place(components)
+                    with self._components.moving("attach"):
+                        copied = await adopt(components.values()) + await self._transact(
+                            "attach", functools.partial(prepare_placement, components.values()))
                 except BaseException:
                     abandon(components.values(), enabled)
                     raise
-                finally:
-                    self._transition = None
                 self._components.install(components, enabled)
                 self._machine.fire("attach")
                 self._summary("attach", Phase.UNINITIALIZED, copied, time.perf_counter() - t0)
             return self.phase
-
-    async def _place(self, components: dict[str, Component]) -> int:
-        """Move every component to its awake placement (adopting host-loaded tensors)."""
-        adopted = 0
-        for c in components.values():
-            adopted += await c.strategy.store.adopt()
-        return adopted + await self._transact(
-            "attach", functools.partial(prepare_placement, components.values()))
 
     async def detach(self) -> Phase:
         """Leave every weight on the host (current), remove hooks, forget the pipeline."""
@@ -325,11 +288,8 @@ class LifecycleController:
             source = self.phase
             t0 = time.perf_counter()
             with events.bound(transition="detach", transition_id=next(_ids)):
-                stale = self._components.stale()
-                if stale:
-                    _log.warning(events.DETACH_STALE, components=stale, rank=self.rank,
-                                 controller=self.id)
-                async with self._gate("detach"):
+                self._components.warn_if_stale()
+                async with self._uses.drained("detach"):
                     copied = await self._transact(
                         "detach", functools.partial(prepare_release, self._components.values()))
                 self._components.release()
@@ -362,12 +322,9 @@ class LifecycleController:
         previous = self.config
         async with self._lock, self._ranks.section("set_residency"):
             change = await self._set_residency(config)
-        if not isinstance(residency, ResidencyPlan) or validate is False:
+        if not isinstance(residency, ResidencyPlan):
             return change
-        request = validate if callable(validate) else residency.warmup or self._measurer.warmup
-        if request is None:
-            return change
-        return await self._measurer.validate(residency, change, request, self.set_residency,
+        return await self._measurer.validate(residency, change, validate, self.set_residency,
                                              previous, latency_tolerance)
 
     # -- planning ------------------------------------------------------------------------
@@ -396,24 +353,14 @@ class LifecycleController:
     async def _set_residency(self, config: ResidencyConfig) -> ResidencyChange:
         if self.phase is Phase.UNINITIALIZED:
             raise TransitionRejected("set_residency", self.phase, NOT_INITIALIZED)
-        components = self._components
-        wanted = components.reshapes(config)
+        changed, prepare = self._components.reshaping(config)
         t0 = time.perf_counter()
-        changed = {n: (components[n].strategy.mode.value, s.mode.value) for n, s in wanted.items()}
         source = self.phase
-
-        async def prepare(moves: list[PreparedMove]) -> None:
-            for name, shape in wanted.items():
-                moves.append(await components.prepare_shape(components[name], shape))
-
         with events.bound(transition="set_residency", transition_id=next(_ids)):
-            async with self._gate("set_residency"):
+            async with self._uses.drained("set_residency"):
                 self._components.rescan("set_residency")
-                self._transition = "set_residency"
-                try:
+                with self._components.moving("set_residency"):
                     copied = await self._transact("set_residency", prepare)
-                finally:
-                    self._transition = None
             self.config = config
             await self._release_cache()
             seconds = time.perf_counter() - t0
@@ -456,7 +403,7 @@ class LifecycleController:
                                         self.phase)
             dropped = resolve_discard(discard, self._components)
             with events.bound(transition=trigger, transition_id=next(_ids)):
-                async with self._gate(trigger):
+                async with self._uses.drained(trigger):
                     return await self._move_all(trigger, dropped)
 
     async def _release_cache(self) -> None:
@@ -465,54 +412,26 @@ class LifecycleController:
         with anyio.CancelScope(shield=True):
             await self._layer.release_cache(self._threads)
 
-    @asynccontextmanager
-    async def _gate(self, trigger: str) -> AsyncIterator[None]:
-        """Close admission, drop unused prefetches, drain leases; reopen afterwards."""
-        async with self._admission.closed(trigger, lambda: self.phase,
-                                          self._uses.stop_prefetches,
-                                          exempt=self._uses.own_leases()):
-            for c in self._components.values():
-                c.strategy.quiesce()
-            if self._layer.needs_sync:
-                # Uses drained, but their kernels and copies may still run behind the host
-                # (CUDA): no move may free, and no host write may touch, a buffer they read.
-                await anyio.to_thread.run_sync(self._layer.synchronize, limiter=self._threads)
-            yield
-
     async def _move_all(self, trigger: str, discard: frozenset[str] = frozenset()
                         ) -> OccupationResult:
-        way = DIRECTIONS[trigger]
         source = self.phase
         t0 = time.perf_counter()
-        # A sleep right after a weight update waits for the mirror refresh still in flight
-        # (then copies only what it left stale), before counting what is dirty.
-        await self._components.land_refreshes(discard)
-        before = self._components.device_bytes()
-        if way.resync:
-            self._components.rescan(trigger)
-        run = Run(trigger, self._components.values(), discard, self.progress, self.rank, self.id)
-        self._transition = trigger
-        try:
-            copied = await self._transact(trigger, run.prepare, land=False)  # landed above
-        finally:
-            self._transition = None
+        run = await Run.start(trigger, self._components, discard, self.progress, self.rank,
+                              self.id)
+        with self._components.moving(trigger):
+            copied = await self._transact(trigger, run.prepare, land=False)  # landed by start
         self._machine.fire(trigger)
-        if way.empty_cache:
+        if run.way.empty_cache:
             await self._release_cache()
         seconds = time.perf_counter() - t0
-        released = max(0, before - self._components.device_bytes())
+        released = max(0, run.before - self._components.device_bytes())
         self._summary(trigger, source, copied, seconds, released=released)
         return run.result(self.phase, copied, released, seconds)
 
-    # -- events ------------------------------------------------------------------------
     def _summary(self, trigger: str, source: Phase, copied: int, seconds: float,
                  released: int = 0) -> None:
-        if not events.wanted(_log, logging.INFO):
-            return
-        _log.info(events.TRANSITION_COMMITTED, trigger=trigger, source=source.value,
-                  dest=self.phase.value, outcome="committed", seconds=round(seconds, 6),
-                  bytes=copied, released=released,
-                  gbps=round(gbps(copied, seconds), 3), rank=self.rank, controller=self.id)
+        events.committed(_log, trigger, source.value, self.phase.value, copied, seconds,
+                         released, rank=self.rank, controller=self.id)
 
     # -- weight updates --------------------------------------------------------------
     @property
@@ -532,41 +451,28 @@ class LifecycleController:
         identical sums whatever their placement. ``"reference"``: the reference's (its
         parameters sorted by name, each name then bytes: what trainers compare after a sync);
         ``"full"``: every tensor (buffers too) with dtype and shape (see lifecycle._checksum)."""
-        names = list(self._components) if components is None else list(components)
-        attached = [self._components.component(n) for n in names]
-        refuse_stale(attached)
-        return {c.name: component_checksum(c.module, c.strategy.store, algorithm) for c in attached}
+        return self._checksums.now(components, algorithm)
 
     async def weights_checksum_across_ranks(self, components: Sequence[str] | None = None, *,
                                             algorithm: ChecksumAlgorithm = "reference"
-                                            ) -> RankChecksums:
+                                            ) -> results.RankChecksums:
         """Every rank's :meth:`weights_checksum` (collective: every rank calls it), to find
         the ranks whose copy of a replicated component differs (``.disagreeing()``)."""
-        local = await self.weights_checksum_async(components, algorithm=algorithm)
-        return await self._ranks.checksums(local, self.rank)
+        return await self._checksums.across_ranks(components, algorithm)
 
     async def weights_checksum_async(self, components: Sequence[str] | None = None, *,
                                      algorithm: ChecksumAlgorithm = "reference"
                                      ) -> dict[str, str]:
         """:meth:`weights_checksum` hashed in a worker thread (the event loop keeps serving),
         under the controller's lock so that no move or update runs meanwhile."""
-        async with self._lock:
-            return await anyio.to_thread.run_sync(
-                functools.partial(self.weights_checksum, components, algorithm=algorithm),
-                limiter=self._threads)
+        return await self._checksums.locked(components, algorithm)
 
     async def check_tensor_hashes(self, target_module: str, expected: Mapping[str, str]
-                                  ) -> TensorHashCheck:
+                                  ) -> results.TensorHashCheck:
         """Compare ``{name: sha256}`` (as the reference's clients hash a tensor: dtype, shape,
         bytes) with ``target_module``'s tensors: names every one that differs or is missing.
         Hashed in a worker thread, under the lock."""
-        wanted = check_expected(expected)
-        if target_module not in self._components:
-            raise UnknownComponent(target_module, list(self._components))
-        async with self._lock:
-            store = self._components.component(target_module).strategy.store
-            return await anyio.to_thread.run_sync(check_hashes, store, target_module, wanted,
-                                                  limiter=self._threads)
+        return await self._checksums.tensors(target_module, expected)
 
     async def update_weights_from_disk(self, model_path: str | os.PathLike[str],
                                        target_modules: Sequence[str] | None = None, *,
@@ -595,7 +501,7 @@ class LifecycleController:
 
     # -- weight sync over a trainer's process group (lifecycle._weight_sync) ------------------
     @property
-    def weight_update_groups(self) -> Mapping[str, WeightUpdateGroupState]:
+    def weight_update_groups(self) -> Mapping[str, results.WeightUpdateGroupState]:
         """This rank's weight update groups by name (``broken`` says why one broke)."""
         return MappingProxyType(self._weight_sync.states())
 
@@ -603,7 +509,7 @@ class LifecycleController:
             self, master_address: str, master_port: int, rank_offset: int, world_size: int,
             group_name: str = "weight_update_group", backend: str = "nccl", *,
             timeout: float = DEFAULT_TIMEOUT, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-            ) -> WeightUpdateGroupResult:
+            ) -> results.WeightUpdateGroupResult:
         """Join the trainer's group (it is rank 0 and serves the store at
         ``master_address:master_port``) as rank ``rank_offset + self.rank``; waits at most
         ``timeout`` seconds for every rank. Not a transition: nothing moves."""
@@ -613,7 +519,7 @@ class LifecycleController:
             device=self.device, timeout=timeout, bucket_bytes=bucket_bytes)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group"
-                                           ) -> WeightUpdateGroupResult:
+                                           ) -> results.WeightUpdateGroupResult:
         """Leave the group (a broken one too); an absent group is a success."""
         return await self._weight_sync.destroy(group_name)
 
@@ -639,13 +545,9 @@ class LifecycleController:
 
     def _answer(self, result: UpdateResult) -> UpdateResult:
         """An update's result, stamped with the rank, the weight version label and the
-        components still stale (with how many tensors, and a few names, in the message)."""
-        stale = self._components.stale()
-        if stale and result.success:
-            result = dataclasses.replace(
-                result, message=result.message + still_stale(self._components.values()))
-        return dataclasses.replace(self._stamped(result), weight_version=self._label,
-                                   stale=MappingProxyType(stale))
+        components still stale (lifecycle._discard)."""
+        return dataclasses.replace(self._stamped(with_stale(result, self._components.values())),
+                                   weight_version=self._label)
 
     def _stamped(self, result: _R) -> _R:
         """``result`` saying which rank answered and how many ranks there are."""
@@ -677,7 +579,7 @@ class LifecycleController:
                     return UpdateResult(False, message, self._version, failed_ranks=failures)
                 assert plan is not None
                 try:
-                    async with self._gate(kind):
+                    async with self._uses.drained(kind):
                         result = await self._apply(kind, plan)
                 finally:
                     plan.close()
@@ -704,9 +606,7 @@ class LifecycleController:
         except GroupBroken:
             raise
         except TransitionFailed as exc:
-            return UpdateResult(False, f"update failed and was rolled back; weights are "
-                                f"unchanged: {type(exc.cause).__name__}: {exc.cause}", before,
-                                rolled_back=True, failed_ranks=exc.failed_ranks)
+            return plan.undone(exc, before)
         finally:
             self._machine.fire("end_update")
         self._version += 1
@@ -715,9 +615,7 @@ class LifecycleController:
             _log.info(events.UPDATE_CAST, tensors=len(plan.casts), casts=plan.casts[:16],
                       rank=self.rank, controller=self.id)
         self._summary(kind, Phase.AWAKE, written, seconds)
-        return UpdateResult(True, f"updated {len(plan.writes)} tensor(s) of "
-                            f"{list(plan.components)} to version {self._version}",
-                            self._version, plan.components, written, seconds)
+        return plan.applied(self._version, written, seconds)
 
     # -- uses ------------------------------------------------------------------------
     @property

@@ -12,7 +12,9 @@ again whatever ``discard`` says (garbage is never copied to the host).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Iterable, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from strategies.protocol import (
@@ -25,6 +27,7 @@ from strategies.protocol import (
 )
 
 from ._errors import InvalidRequest, WeightsDiscarded
+from ._results import UpdateResult
 
 if TYPE_CHECKING:
     from ._uses import Component
@@ -32,16 +35,17 @@ if TYPE_CHECKING:
 Progress = Callable[[int], None]
 
 __all__ = ["Discard", "prepare_sleep", "prepare_wake", "refuse_stale", "resolve_discard",
-           "stale_counts", "still_stale"]
+           "stale_counts", "still_stale", "with_stale"]
 
 #: What ``discard`` may be: nothing (``None``, ``False``), every component (``True``,
 #: ``"all"``), or the names of some (a sequence, or one string of comma-separated names).
 Discard = bool | str | Sequence[str] | None
 
 
-def resolve_discard(discard: Discard, components: Collection[str]) -> frozenset[str]:
+def resolve_discard(discard: Discard, components: Collection[str], field: str = "discard"
+                    ) -> frozenset[str]:
     """The components ``discard`` names (InvalidRequest, naming the valid ones, for a name
-    the pipeline lacks or a value of another kind)."""
+    the pipeline lacks or a value of another kind); ``field``: the argument it came from."""
     if discard is None or discard is False:
         return frozenset()
     if discard is True or discard == "all":
@@ -51,12 +55,12 @@ def resolve_discard(discard: Discard, components: Collection[str]) -> frozenset[
     elif isinstance(discard, Sequence) and all(isinstance(n, str) for n in discard):
         names = list(discard)
     else:
-        raise InvalidRequest("discard", f"discard must be true/false, 'all' or a list of "
-                                        f"component names, got {discard!r}")
+        raise InvalidRequest(field, f"{field} must be true/false, 'all' or a list of "
+                                    f"component names, got {discard!r}")
     unknown = sorted(set(names) - set(components))
     if unknown:
-        raise InvalidRequest("discard", f"discard names unknown components {unknown}; "
-                                        f"components: {sorted(components)} (or true / 'all')")
+        raise InvalidRequest(field, f"{field} names unknown components {unknown}; "
+                                    f"components: {sorted(components)} (or true / 'all')")
     return frozenset(names)
 
 
@@ -100,3 +104,12 @@ def refuse_stale(components: Iterable[Component]) -> None:
              if c.strategy.store.stale_count}
     if stale:
         raise WeightsDiscarded(stale)
+
+
+def with_stale(result: UpdateResult, components: Collection[Component]) -> UpdateResult:
+    """An update's ``result`` naming the components still stale: ``stale`` (how many tensors
+    each) and, for a success, their tensors in the message (:func:`still_stale`)."""
+    stale = stale_counts(components)
+    if stale and result.success:
+        result = dataclasses.replace(result, message=result.message + still_stale(components))
+    return dataclasses.replace(result, stale=MappingProxyType(stale))

@@ -41,6 +41,8 @@ from typing import Any
 import structlog
 from structlog.stdlib import ProcessorFormatter
 
+from ._units import gbps
+
 TRANSITION_COMMITTED = "transition.committed"
 TRANSITION_REJECTED = "transition.rejected"
 TRANSITION_ROLLED_BACK = "transition.rolled_back"
@@ -89,8 +91,10 @@ __all__ = [
     "WEIGHT_SYNC_JOINED",
     "EventSink",
     "add_event_sink",
+    "committed",
     "configure_logging",
     "get_logger",
+    "rolled_back",
     "wanted",
 ]
 
@@ -127,9 +131,11 @@ def _to_stdlib(logger: Any, method_name: str,
 
 def _stacklevel(processing: FrameType | None) -> int:
     """The ``stacklevel`` that makes the record's file and line the caller's, not
-    structlog's: *processing* runs the processors, its caller calls the stdlib logger."""
+    structlog's nor this module's (:func:`committed`): *processing* runs the processors, its
+    caller calls the stdlib logger."""
     f, level = processing.f_back if processing else None, 1
-    while f is not None and f.f_globals.get("__name__", "").startswith("structlog"):
+    while f is not None and (f.f_globals.get("__name__", "").startswith("structlog")
+                             or f.f_globals.get("__name__") == __name__):
         f, level = f.f_back, level + 1
     return level if f is not None else 1
 
@@ -179,6 +185,27 @@ def wanted(logger: structlog.stdlib.BoundLogger, level: int) -> bool:
     a sink, or the stdlib logger at that level. Hot paths (a clean sleep) skip building the
     event's fields when it does not: a disabled event then costs one level comparison."""
     return bool(_SINKS) or bool(logger._logger.isEnabledFor(level))
+
+
+def committed(logger: structlog.stdlib.BoundLogger, trigger: str, source: str, dest: str,
+              copied: int, seconds: float, released: int = 0, **fields: Any) -> None:
+    """The one ``transition.committed`` summary of a transition (its fields are not even
+    built when nobody wants it); ``fields``: who committed it (rank, controller)."""
+    if not wanted(logger, logging.INFO):
+        return
+    logger.info(TRANSITION_COMMITTED, trigger=trigger, source=source, dest=dest,
+                outcome="committed", seconds=round(seconds, 6), bytes=copied, released=released,
+                gbps=round(gbps(copied, seconds), 3), **fields)
+
+
+def rolled_back(logger: structlog.stdlib.BoundLogger, trigger: str, phase: str,
+                error: BaseException, failed_ranks: Mapping[int, str], **fields: Any) -> None:
+    """The ``transition.rolled_back`` warning of a transition undone for ``error`` (a
+    cancellation reads ``cancelled``); ``fields``: who rolled it back (rank, controller)."""
+    logger.warning(TRANSITION_ROLLED_BACK, trigger=trigger, phase=phase,
+                   outcome="rolled_back" if isinstance(error, Exception) else "cancelled",
+                   error=f"{type(error).__name__}: {error}", failed_ranks=failed_ranks,
+                   **fields)
 
 
 class bound:

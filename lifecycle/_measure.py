@@ -21,11 +21,10 @@ import anyio
 import anyio.to_thread
 from torch import nn
 
-from strategies import DeviceLayer, ResidencyConfig, is_fsdp_managed
+from strategies import ResidencyConfig, is_fsdp_managed
 from strategies.protocol import TensorStore
 
 from . import _events as events
-from ._components import Components
 from ._events import get_logger
 from ._planner import (
     ComponentSizes,
@@ -64,19 +63,18 @@ def is_auto(residency: object, device_budget: object) -> bool:
 
 class Measurer:
     """The planner's measurements of one controller's pipeline, and the plans made from
-    them. ``lock``: the controller's (no move while inventories are taken); ``threads``:
-    the library's worker threads; ``rank`` and ``controller_id``: named in events."""
+    them. ``uses``: the controller's (the warm-up's uses are recorded there; its layer,
+    components, worker threads, rank and id are the controller's); ``lock``: the
+    controller's (no move while inventories are taken)."""
 
-    def __init__(self, layer: DeviceLayer, components: Components, uses: Uses,
-                 lock: anyio.Lock, threads: anyio.CapacityLimiter, rank: Callable[[], int],
-                 controller_id: int) -> None:
-        self._layer = layer
-        self._components = components
+    def __init__(self, uses: Uses, lock: anyio.Lock) -> None:
         self._uses = uses
         self._lock = lock
-        self._threads = threads
-        self._rank = rank
-        self._controller_id = controller_id
+        self._layer = uses.layer
+        self._components = uses.components
+        self._threads = uses.threads
+        self._rank = uses.rank  # (and the controller's id: named in events)
+        self._controller_id = uses.controller_id
         self.measurements: Measurements | None = None
         self.warmup: Request | None = None  # the last warm-up measured (validates its plans)
 
@@ -197,11 +195,17 @@ class Measurer:
         other = max(0.0, total - sum(r.seconds + r.placing_seconds for r in records))
         return tuple(trace), other, reserve
 
-    async def validate(self, plan: ResidencyPlan, change: ResidencyChange, request: Request,
+    async def validate(self, plan: ResidencyPlan, change: ResidencyChange,
+                       validate: Request | bool | None,
                        restore: Callable[[ResidencyConfig], Awaitable[object]],
                        previous: ResidencyConfig, tolerance: float) -> ResidencyChange:
-        """Run one request under the applied plan; ``restore(previous)`` if its peak passed
-        the budget or it ran more than ``tolerance`` slower than predicted."""
+        """Run one request under the applied plan (``validate``: that request; else the
+        plan's warm-up, else the last one measured; ``False`` or none of them: ``change`` as
+        it is); ``restore(previous)`` if its peak passed the budget or it ran more than
+        ``tolerance`` slower than predicted."""
+        request = validate if callable(validate) else plan.warmup or self.warmup
+        if validate is False or request is None:
+            return change
         self._layer.reset_peak()
         t0 = time.perf_counter()
         await request()

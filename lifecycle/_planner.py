@@ -46,7 +46,7 @@ from strategies import LayerwiseTuning, ResidencyConfig, ResidencyMode
 from strategies.protocol import Shape, TensorStore, check_block_lists
 
 from ._errors import LifecycleError
-from ._units import format_bytes, parse_size
+from ._units import format_bytes, gbps, parse_size
 
 __all__ = [
     "ComponentDecision",
@@ -500,7 +500,7 @@ class ResidencyPlan:
             rows.append((d.name, format_bytes(d.nbytes), o.mode.value, tuning, format_bytes(o.moved), d.why))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"residency plan for a device budget of {format_bytes(self.budget_bytes)} "
-                 f"(measured from {self.measured_from}; link {self.bandwidth / 1e9:.2f} GB/s"
+                 f"(measured from {self.measured_from}; link {gbps(self.bandwidth, 1.0):.2f} GB/s"
                  + (f"; activation reserve {format_bytes(self.activation_reserve)}"
                     if self.activation_reserve else "") + ")"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Generic, Self, TypeVar, overload
 
 from ._phase import Phase
 from ._units import gbps
+
+Owner = TypeVar("Owner")
+T = TypeVar("T")
 
 __all__ = ["ComponentPlacement", "OccupationResult", "PlacementReport", "ResidencyChange",
            "TensorHashCheck", "UpdateResult", "WeightUpdateGroupResult", "WeightUpdateGroupState"]
@@ -92,6 +95,27 @@ class ComponentPlacement:
         return self.host_bytes - self.pinned_bytes
 
 
+class Computed(Generic[Owner, T]):
+    """A read-only attribute computed from the object it is read on (``compute(obj)``), typed
+    as what ``compute`` returns: a property given as a function where it is declared."""
+
+    def __init__(self, compute: Callable[[Owner], T], doc: str | None = None) -> None:
+        self._compute = compute
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Self: ...
+    @overload
+    def __get__(self, obj: Owner, owner: type) -> T: ...
+    def __get__(self, obj: Owner | None, owner: type) -> Self | T:
+        return self if obj is None else self._compute(obj)
+
+
+def _total(name: str) -> Computed[PlacementReport, int]:
+    """A :class:`PlacementReport` total: the components' field ``name``, summed."""
+    return Computed(lambda report: sum(int(getattr(c, name)) for c in report.components.values()))
+
+
 @dataclass(frozen=True)
 class PlacementReport:
     """Where the pipeline's bytes are, per component and in total."""
@@ -114,21 +138,11 @@ class PlacementReport:
     reserved_bytes: int | None = field(default=None, compare=False)
     reserved_peak_bytes: int | None = field(default=None, compare=False)
 
-    @property
-    def device_bytes(self) -> int:
-        return sum(c.device_bytes for c in self.components.values())
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(c.host_bytes for c in self.components.values())
-
-    @property
-    def pinned_bytes(self) -> int:
-        return sum(c.pinned_bytes for c in self.components.values())
-
-    @property
-    def lora_base_bytes(self) -> int:
-        return sum(c.lora_base_bytes for c in self.components.values())
+    # Totals over the components.
+    device_bytes = _total("device_bytes")
+    host_bytes = _total("host_bytes")
+    pinned_bytes = _total("pinned_bytes")
+    lora_base_bytes = _total("lora_base_bytes")
 
     @property
     def stale(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from strategies import ResidencyStrategy
 from strategies.protocol import DiscardMove, Move, PreparedMove, UndiscardMove, Unit
@@ -21,6 +22,9 @@ from ._phase import Phase
 from ._results import OccupationResult
 from ._units import gbps
 from ._uses import Component
+
+if TYPE_CHECKING:
+    from ._components import Components
 
 __all__ = ["DIRECTIONS", "Direction", "Run"]
 
@@ -73,6 +77,23 @@ class Run:
         self._total = 0 if progress is None else sum(
             u.nbytes for _, units in self._plan for u in units if way.counts(u))
         self.discarded: list[str] = []
+        self.before = 0  # device bytes before the move (what it released: see start())
+
+    @classmethod
+    async def start(cls, trigger: str, components: Components, discard: frozenset[str],
+                    progress: Callable[[str, int, int], None] | None, rank: int,
+                    controller_id: int) -> Run:
+        """A run over the attached ``components``, once the bookkeeping before it is done: a
+        sleep right after a weight update waits for the mirror refresh still in flight (then
+        copies only what it left stale), before counting what is dirty and the device bytes
+        held; a sleep takes in tensors replaced behind our back."""
+        await components.land_refreshes(discard)
+        before = components.device_bytes()
+        if DIRECTIONS[trigger].resync:
+            components.rescan(trigger)
+        run = cls(trigger, components.values(), discard, progress, rank, controller_id)
+        run.before = before
+        return run
 
     async def prepare(self, moves: list[PreparedMove]) -> None:
         """Append every component's prepared move to ``moves`` (the transaction's)."""

@@ -27,7 +27,7 @@ request covers the uses of its own task in async code.
 from __future__ import annotations
 
 import contextvars
-import os
+import inspect
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -37,31 +37,22 @@ from contextlib import (
     asynccontextmanager,
     contextmanager,
 )
-from typing import Any, Literal, TypeVar
+from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, cast, overload
 
-import torch
+import anyio.to_thread
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from torch import nn
 
-from strategies import DeviceLayer, ResidencyStrategy
+from strategies import ResidencyConfig
 
-from ._checksum import ChecksumAlgorithm
 from ._controller import LifecycleController
-from ._discard import Discard
-from ._phase import Phase
-from ._results import (
-    OccupationResult,
-    PlacementReport,
-    TensorHashCheck,
-    UpdateResult,
-    WeightUpdateGroupResult,
-    WeightUpdateGroupState,
-)
-from ._weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT
+from ._planner import ResidencyPlan
+from ._results import Computed, ResidencyChange
 
 __all__ = ["SyncLifecycleController"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 # Context variables a request set in its own task, carried into the same thread's uses.
 _Carried = dict[contextvars.ContextVar[Any], Any]
@@ -82,6 +73,72 @@ def _wait(future: Future[T]) -> T:
 def _apply(carried: _Carried) -> None:
     for var, value in carried.items():
         var.set(value)
+
+
+class _Blocking(Generic[P, T]):
+    """A facade method: the controller's method ``method``, called in the portal's loop (a
+    coroutine awaited there) while the caller blocks. It keeps that method's signature and
+    docstring, so the two cannot drift apart."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.__wrapped__ = method
+        self.__module__, self.__name__ = method.__module__, method.__name__
+        self.__doc__ = f"The blocking :meth:`LifecycleController.{method.__name__}`:\n\n" \
+            f"{inspect.cleandoc(method.__doc__ or '')}"
+        self._method = method
+        sig = inspect.signature(method)
+        self.__signature__ = sig  # looked up on the class: the method's, ``self`` first
+        self._bound = sig.replace(parameters=list(sig.parameters.values())[1:])
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.__name__ = self.__qualname__ = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Self: ...
+    @overload
+    def __get__(self, obj: SyncLifecycleController, owner: type) -> Callable[P, T]: ...
+    def __get__(self, obj: SyncLifecycleController | None, owner: type) -> Self | Callable[P, T]:
+        if obj is None:
+            return self
+        method, facade = self._method, obj
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> T:
+            return cast(T, facade._call(lambda: method(facade._controller, *args, **kwargs)))
+
+        call.__name__, call.__doc__ = self.__name__, self.__doc__
+        call.__signature__ = self._bound  # type: ignore[attr-defined]
+        return call
+
+    def __call__(self, facade: SyncLifecycleController, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Called on the class (``SyncLifecycleController.sleep(facade)``), as a function."""
+        return self.__get__(facade, type(facade))(*args, **kwargs)
+
+
+def _awaited(method: Callable[Concatenate[LifecycleController, P], Awaitable[T]]
+             ) -> _Blocking[P, T]:
+    """A facade method over the controller's coroutine method ``method``."""
+    return _Blocking(method)
+
+
+def _in_loop(method: Callable[Concatenate[LifecycleController, P], T]) -> _Blocking[P, T]:
+    """A facade method over the controller's plain method ``method``, called in the loop
+    thread between the controller's own steps (a consistent snapshot, no race with a move)."""
+    return _Blocking(method)
+
+
+def _read(read: Callable[[LifecycleController], T], doc: str
+          ) -> Computed[SyncLifecycleController, T]:
+    """A facade property: ``read(controller)`` in the calling thread (one attribute read)."""
+    return Computed(lambda facade: read(facade._ctl()), doc)
+
+
+def _in_thread(request: Callable[[], object]) -> Callable[[], Awaitable[object]]:
+    """A blocking ``request`` as the async callable the controller awaits: run in a worker
+    thread, its calls into the facade go through the portal to the loop (free meanwhile)."""
+    async def run() -> object:
+        return await anyio.to_thread.run_sync(request)
+
+    return run
 
 
 class SyncLifecycleController:
@@ -129,16 +186,9 @@ class SyncLifecycleController:
             if not self._live:
                 self._state.notify_all()
 
-    def _run(self, func: Callable[[], Awaitable[T]]) -> T:
-        """Await ``func()`` in the loop; block until it is done."""
-        portal = self._begin()
-        try:
-            return _wait(portal.start_task_soon(func))
-        finally:
-            self._end()
-
-    def _run_sync(self, func: Callable[[], T]) -> T:
-        """Call ``func()`` in the loop thread (between the controller's own steps)."""
+    def _call(self, func: Callable[[], Awaitable[T]]) -> T:
+        """Call ``func()`` in the loop thread and await what it returns (the portal takes a
+        plain function's result as it is); block until it is done."""
         portal = self._begin()
         try:
             return _wait(portal.start_task_soon(func))
@@ -226,55 +276,22 @@ class SyncLifecycleController:
         Still readable after :meth:`close`, to inspect the final state."""
         return self._controller
 
-    @property
-    def phase(self) -> Phase:
-        """The current phase."""
-        return self._ctl().phase
-
-    @property
-    def device(self) -> torch.device:
-        """The device the pipeline is served from."""
-        return self._ctl().device
-
-    @property
-    def device_layer(self) -> DeviceLayer:
-        """The device layer that allocates and copies."""
-        return self._ctl().device_layer
-
-    @property
-    def transition(self) -> str | None:
-        """The trigger in progress, if any."""
-        return self._ctl().transition
-
-    @property
-    def in_flight(self) -> int:
-        """Live leases: uses in progress and request-level prefetches."""
-        return self._ctl().in_flight
-
-    @property
-    def components(self) -> Mapping[str, nn.Module]:
-        """The attached components by name (read-only)."""
-        return self._ctl().components
-
-    @property
-    def weights_version(self) -> int:
-        """+1 per successful weight update."""
-        return self._ctl().weights_version
-
-    @property
-    def weight_version_label(self) -> str | None:
-        """The trainer's ``weight_version`` of the weights served, if one was given."""
-        return self._ctl().weight_version_label
-
-    @property
-    def stale(self) -> Mapping[str, int]:
-        """Stale components (discarded weights not updated yet) and how many tensors."""
-        return self._ctl().stale
-
-    @property
-    def weight_update_groups(self) -> Mapping[str, WeightUpdateGroupState]:
-        """This rank's weight update groups by name."""
-        return self._ctl().weight_update_groups
+    phase = _read(lambda c: c.phase, "The current phase.")
+    world_size = _read(lambda c: c.world_size, "Ranks the transitions span (1 without a group).")
+    device = _read(lambda c: c.device, "The device the pipeline is served from.")
+    device_layer = _read(lambda c: c.device_layer, "The device layer that allocates and copies.")
+    transition = _read(lambda c: c.transition, "The trigger in progress, if any.")
+    in_flight = _read(lambda c: c.in_flight,
+                      "Live leases: uses in progress and request-level prefetches.")
+    components = _read(lambda c: c.components, "The attached components by name (read-only).")
+    weights_version = _read(lambda c: c.weights_version, "+1 per successful weight update.")
+    weight_version_label = _read(lambda c: c.weight_version_label,
+                                 "The trainer's ``weight_version`` of the weights served, if one "
+                                 "was given.")
+    stale = _read(lambda c: c.stale, "Stale components (discarded weights not updated yet) and "
+                                     "how many tensors.")
+    weight_update_groups = _read(
+        lambda c: c.weight_update_groups, "This rank's weight update groups by name.")
 
     @property
     def auto_wake(self) -> bool:
@@ -285,111 +302,56 @@ class SyncLifecycleController:
     def auto_wake(self, value: bool) -> None:
         ctl = self._ctl()
 
-        def set_auto_wake() -> None:
+        async def set_auto_wake() -> None:
             ctl.auto_wake = value
 
-        self._run_sync(set_auto_wake)
+        self._call(set_auto_wake)
 
-    def strategy(self, name: str) -> ResidencyStrategy:
-        """Component ``name``'s residency strategy."""
-        return self._ctl().strategy(name)
-
-    def report(self) -> PlacementReport:
-        """Where every component's bytes are (taken in the loop: a consistent snapshot)."""
-        return self._run_sync(self._controller.report)
-
-    def mark_dirty(self, components: list[str] | None = None) -> None:
-        """Declare host mirrors stale after writes through ``param.data``."""
-        self._run_sync(lambda: self._controller.mark_dirty(components))
+    strategy = _in_loop(LifecycleController.strategy)
+    report = _in_loop(LifecycleController.report)
+    reset_peak = _in_loop(LifecycleController.reset_peak)
+    mark_dirty = _in_loop(LifecycleController.mark_dirty)
+    rebind = _in_loop(LifecycleController.rebind)
 
     # -- transitions -------------------------------------------------------------------
-    def attach(self, pipeline: Any) -> Phase:
-        """Take the pipeline's components and place them for serving."""
-        return self._run(lambda: self._controller.attach(pipeline))
+    attach = _awaited(LifecycleController.attach)
+    detach = _awaited(LifecycleController.detach)
+    sleep = _awaited(LifecycleController.sleep)
+    wake = _awaited(LifecycleController.wake)
+    release_memory_occupation = _awaited(LifecycleController.release_memory_occupation)
+    resume_memory_occupation = _awaited(LifecycleController.resume_memory_occupation)
+    update_weights_from_disk = _awaited(LifecycleController.update_weights_from_disk)
+    update_weights_from_tensors = _awaited(LifecycleController.update_weights_from_tensors)
+    weights_checksum = _awaited(LifecycleController.weights_checksum_async)
+    weights_checksum_across_ranks = _awaited(LifecycleController.weights_checksum_across_ranks)
+    check_tensor_hashes = _awaited(LifecycleController.check_tensor_hashes)
 
-    def detach(self) -> Phase:
-        """Leave every weight on the host, remove hooks, forget the pipeline."""
-        return self._run(self._controller.detach)
+    def set_residency(self, residency: ResidencyConfig | str | Mapping[str, str]
+                      | list[str] | ResidencyPlan | None, *,
+                      validate: Callable[[], object] | bool | None = None,
+                      latency_tolerance: float = 0.10) -> ResidencyChange:
+        """Switch residency modes while attached, all or nothing (see
+        :meth:`LifecycleController.set_residency`); ``validate``: a blocking request, run in a
+        worker thread."""
+        check = _in_thread(validate) if callable(validate) else validate
+        return self._call(lambda: self._controller.set_residency(
+            residency, validate=check, latency_tolerance=latency_tolerance))
 
-    def sleep(self, discard: Discard = False) -> OccupationResult:
-        """Release every device byte (all or nothing); ``discard``: see
-        :meth:`LifecycleController.sleep`."""
-        return self._run(lambda: self._controller.sleep(discard))
-
-    def wake(self) -> OccupationResult:
-        """Restore every component's awake placement (all or nothing)."""
-        return self._run(self._controller.wake)
-
-    def release_memory_occupation(self, discard: Discard = None) -> OccupationResult:
-        """The reference system's name for :meth:`sleep` (``discard`` defaults to the
-        controller's ``discard_on_release``)."""
-        return self._run(lambda: self._controller.release_memory_occupation(discard))
-
-    def resume_memory_occupation(self) -> OccupationResult:
-        """The reference system's name for :meth:`wake`."""
-        return self._run(self._controller.resume_memory_occupation)
-
-    def update_weights_from_disk(self, model_path: str | os.PathLike[str],
-                                 target_modules: Sequence[str] | None = None, *,
-                                 weight_version: str | None = None,
-                                 flush_cache: bool = False) -> UpdateResult:
-        """Load new weights from safetensors files, all or nothing."""
-        return self._run(lambda: self._controller.update_weights_from_disk(
-            model_path, target_modules, weight_version=weight_version, flush_cache=flush_cache))
-
-    def update_weights_from_tensors(
-            self, named_tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
-            target_module: str = "transformer", *, weight_update_mode: str | None = None,
-            lora_alpha: float | None = None, lora_rank: int | None = None,
-            weight_version: str | None = None, flush_cache: bool = False) -> UpdateResult:
-        """Write ``named_tensors`` into ``target_module`` (or merge LoRA tensors), all or
-        nothing."""
-        return self._run(lambda: self._controller.update_weights_from_tensors(
-            named_tensors, target_module, weight_update_mode=weight_update_mode,
-            lora_alpha=lora_alpha, lora_rank=lora_rank, weight_version=weight_version,
-            flush_cache=flush_cache))
-
-    def weights_checksum(self, components: Sequence[str] | None = None, *,
-                         algorithm: ChecksumAlgorithm = "reference") -> dict[str, str]:
-        """SHA-256 per component, hashed under the controller's lock (no transition races
-        it)."""
-        return self._run(lambda: self._controller.weights_checksum_async(
-            components, algorithm=algorithm))
-
-    def check_tensor_hashes(self, target_module: str, expected: Mapping[str, str]
-                            ) -> TensorHashCheck:
-        """Compare the clients' per-tensor SHA-256 with ``target_module``'s tensors."""
-        return self._run(lambda: self._controller.check_tensor_hashes(target_module, expected))
+    def plan(self, device_budget: int | float | str, warmup: Callable[[], object] | None = None,
+             *, uses: Sequence[str | tuple[str, float] | tuple[str, float, int]] | None = None,
+             activation_reserve: int | None = None, remeasure: bool = False) -> ResidencyPlan:
+        """The fastest residency that fits ``device_budget`` (see
+        :meth:`LifecycleController.plan`); ``warmup``: a blocking request through this facade
+        (``lambda: generate(sctl)``), run once in a worker thread."""
+        run = None if warmup is None else _in_thread(warmup)
+        return self._call(lambda: self._controller.plan(
+            device_budget, run, uses=uses, activation_reserve=activation_reserve,
+            remeasure=remeasure))
 
     # -- weight sync over a trainer's process group ---------------------------------------
-    def init_weights_update_group(
-            self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-            group_name: str = "weight_update_group", backend: str = "nccl", *,
-            timeout: float = DEFAULT_TIMEOUT, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-            ) -> WeightUpdateGroupResult:
-        """Join the trainer's weight update group."""
-        return self._run(lambda: self._controller.init_weights_update_group(
-            master_address, master_port, rank_offset, world_size, group_name, backend,
-            timeout=timeout, bucket_bytes=bucket_bytes))
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group"
-                                     ) -> WeightUpdateGroupResult:
-        """Leave the group (an absent group is a success)."""
-        return self._run(lambda: self._controller.destroy_weights_update_group(group_name))
-
-    def update_weights_from_distributed(
-            self, names: Sequence[str], dtypes: Sequence[str | torch.dtype],
-            shapes: Sequence[Sequence[int]], group_name: str = "weight_update_group",
-            target_modules: Sequence[str] = ("transformer",), *, flush_cache: bool = False,
-            weight_version: str | None = None, weight_update_mode: str | None = None,
-            lora_alpha: float | None = None, lora_rank: int | None = None,
-            timeout: float = DEFAULT_TIMEOUT, bucket_bytes: int | None = None) -> UpdateResult:
-        """Receive the trainer's broadcast into ``target_modules[0]``, all or nothing."""
-        return self._run(lambda: self._controller.update_weights_from_distributed(
-            names, dtypes, shapes, group_name, target_modules, flush_cache=flush_cache,
-            weight_version=weight_version, weight_update_mode=weight_update_mode,
-            lora_alpha=lora_alpha, lora_rank=lora_rank, timeout=timeout,
-            bucket_bytes=bucket_bytes))
+    init_weights_update_group = _awaited(LifecycleController.init_weights_update_group)
+    destroy_weights_update_group = _awaited(LifecycleController.destroy_weights_update_group)
+    update_weights_from_distributed = _awaited(LifecycleController.update_weights_from_distributed)
 
     # -- uses --------------------------------------------------------------------------
     @contextmanager

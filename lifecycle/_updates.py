@@ -33,8 +33,9 @@ from strategies.protocol import (
 )
 
 from . import _events as events
-from ._errors import InvalidRequest
+from ._errors import InvalidRequest, TransitionFailed
 from ._events import get_logger
+from ._results import UpdateResult
 
 __all__ = ["UpdatePlan", "UpdateRefused", "checksum", "plan_from_disk", "plan_from_tensors",
            "version_label"]
@@ -92,6 +93,19 @@ class UpdatePlan:
             sources = self.sources(name)
             if sources:
                 moves.append(await stores[name].prepare_write(sources, limiter))
+
+    def applied(self, version: int, written: int, seconds: float) -> UpdateResult:
+        """The answer once this plan's writes committed as weights version ``version``."""
+        return UpdateResult(True, f"updated {len(self.writes)} tensor(s) of "
+                            f"{list(self.components)} to version {version}", version,
+                            self.components, written, seconds)
+
+    @staticmethod
+    def undone(failed: TransitionFailed, version: int) -> UpdateResult:
+        """The answer when the writes failed and were rolled back (``version`` unchanged)."""
+        return UpdateResult(False, f"update failed and was rolled back; weights are unchanged: "
+                            f"{type(failed.cause).__name__}: {failed.cause}", version,
+                            rolled_back=True, failed_ranks=failed.failed_ranks)
 
     def close(self) -> None:
         for h in self.handles:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 from torch import nn
 
 from strategies import DeviceLayer, ResidencyStrategy
@@ -115,7 +116,8 @@ class Uses:
 
     def __init__(self, admission: Admission, layer: DeviceLayer, components: Components,
                  phase: Callable[[], Phase], wake: Callable[[], Awaitable[object]],
-                 rank: Callable[[], int], controller_id: int = 0, *, auto_wake: bool = False,
+                 rank: Callable[[], int], controller_id: int = 0,
+                 threads: anyio.CapacityLimiter | None = None, *, auto_wake: bool = False,
                  prefetch_components: bool = True, prefetch_headroom: int = 2**30) -> None:
         self.admission = admission
         self.layer = layer
@@ -124,6 +126,7 @@ class Uses:
         self.wake = wake
         self.rank = rank
         self.controller_id = controller_id
+        self.threads = threads  # the controller's worker threads (None: anyio's default)
         self.auto_wake = auto_wake
         self.prefetch_components = prefetch_components
         self.prefetch_headroom = prefetch_headroom  # bytes a prefetch leaves free (_prefetch_next)
@@ -259,6 +262,20 @@ class Uses:
             raise
         finally:
             self.admission.give(lease)
+
+    @asynccontextmanager
+    async def drained(self, trigger: str) -> AsyncIterator[None]:
+        """A transition's gate: close admission, drop unused prefetches, drain leases (but
+        those of the requests the calling task is in); reopen afterwards."""
+        async with self.admission.closed(trigger, self.phase, self.stop_prefetches,
+                                         exempt=self.own_leases()):
+            for c in self.components.values():
+                c.strategy.quiesce()
+            if self.layer.needs_sync:
+                # Uses drained, but their kernels and copies may still run behind the host
+                # (CUDA): no move may free, and no host write may touch, a buffer they read.
+                await anyio.to_thread.run_sync(self.layer.synchronize, limiter=self.threads)
+            yield
 
     def own_leases(self) -> frozenset[int]:
         """The leases of the requests the calling task is in: a transition it starts must

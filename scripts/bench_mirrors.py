@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lifecycle.demo import parse_size
+from lifecycle._units import gbps, parse_size
 
 
 def mapping(nbytes: int, private: bool) -> mmap.mmap:
@@ -45,7 +45,7 @@ def once(nbytes: int, private: bool, source: torch.Tensor) -> tuple[float, float
     again = time.perf_counter() - t0
     del view
     arena.close()
-    return nbytes / first / 1e9, nbytes / again / 1e9
+    return gbps(nbytes, first), gbps(nbytes, again)
 
 
 def main(argv: list[str] | None = None) -> int:

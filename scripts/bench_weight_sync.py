@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lifecycle import LifecycleController
-from lifecycle.demo import parse_size
+from lifecycle._units import gbps, parse_size
 
 MiB = 2**20
 TIMEOUT = 60.0
@@ -193,7 +193,7 @@ async def run(size: int, count: int, rounds: int, buckets: list[int], pause: flo
                 assert results.get(timeout=TIMEOUT) == "sent"
             exact = all(torch.equal(p, named[n]) for n, p in module.named_parameters())
             plain_med, update_med = statistics.median(plain_s[1:]), statistics.median(update_s[1:])
-            out |= {"plain_gbps": nbytes / plain_med / 1e9, "update_gbps": nbytes / update_med / 1e9,
+            out |= {"plain_gbps": gbps(nbytes, plain_med), "update_gbps": gbps(nbytes, update_med),
                     "ratio": plain_med / update_med, "exact": exact,
                     "plain_seconds": plain_s[1:], "update_seconds": update_s[1:]}
             staging = []
@@ -217,7 +217,7 @@ async def run(size: int, count: int, rounds: int, buckets: list[int], pause: flo
                 staging.append({"bucket_bytes": bucket,
                                 "peak_staging_bytes": state.peak_staging_bytes,
                                 "rss_growth_bytes": rss.peak - rss.start,
-                                "gbps": nbytes / seconds / 1e9})
+                                "gbps": gbps(nbytes, seconds)})
                 await ctl.destroy_weights_update_group(name)
             out["staging"] = staging
             plain = None

@@ -30,11 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lifecycle import LifecycleController
-from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle._units import parse_size
+from lifecycle.demo import DemoPipeline
+from lifecycle.testing import SimCuda
 from strategies import CudaDevice, LayerwiseOffloadStrategy
 from strategies._cudart import Stream
 from strategies._device import CopyPair, Tier
-from strategies.testing import SimCuda
 
 
 @contextmanager

@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import save
 
 from lifecycle import LifecycleController
-from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle._units import parse_size
+from lifecycle.demo import DemoPipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEPING = "Server is sleeping. Call resume_memory_occupation first."

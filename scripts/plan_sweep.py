@@ -26,7 +26,8 @@ import anyio
 import torch
 
 from lifecycle import InfeasibleBudget, LifecycleController
-from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle._units import parse_size
+from lifecycle.demo import DemoPipeline
 
 
 async def sweep(size: int, device: str | None, repeats: int) -> list[dict[str, Any]]:

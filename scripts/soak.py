@@ -43,8 +43,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from lifecycle import LifecycleController, Phase, TransitionFailed, configure_logging
+from lifecycle._units import parse_size
 from lifecycle.cli.bench import set_malloc
-from lifecycle.demo import DemoPipeline, parse_size
+from lifecycle.demo import DemoPipeline
 from lifecycle.testing import InjectedFault, faulty_device_layer
 
 UPDATE_EVERY, CHECK_EVERY, GROWTH_TARGET_PCT, GROWTH_MIN_CYCLES = 10, 100, 2.0, 1000

@@ -63,7 +63,8 @@ def main() -> int:
         assert found is not None, "the server did not start"
         url = f"http://127.0.0.1:{found.group(1)}"
         with httpx.Client(base_url=url, timeout=600) as client:
-            from lifecycle.demo import DemoPipeline, parse_size
+            from lifecycle._units import parse_size
+            from lifecycle.demo import DemoPipeline
 
             state = {k: v + 0.5 for k, v in DemoPipeline.build(parse_size(args.size))
                      .modules["transformer"].state_dict().items()}

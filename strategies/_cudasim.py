@@ -65,11 +65,10 @@ from typing import Any
 import torch
 
 from ._cudart import MemoryStats
-from ._ordering import OrderingViolation
+from ._ordering import POISON, OrderingViolation, Violations, poison
 
 __all__ = ["POISON", "CudaSimViolation", "SimCuda", "SimEvent", "SimStream", "check_cuda_sim"]
 
-POISON = 0xFF
 _MIN_BLOCK = 512
 _SMALL_REQUEST = 1 << 20
 _SMALL_SEGMENT = 2 << 20
@@ -95,9 +94,7 @@ class _State:
         self.busy: set[SimStream] = set()  # streams with work not landed
         self.host: dict[int, int] = {}  # stream id -> position the host has seen complete
         self.storages: dict[int, _Storage] = {}  # storage data_ptr -> what the simulator knows
-        self.violations: list[str] = []
-        self.raised = 0  # violations[:raised] were raised by a call
-        self.checked = 0  # violations[:checked] were reported by check_cuda_sim
+        self.violations = Violations(self.lock, CudaSimViolation)
         self.hooked = False
 
     def device_of_thread(self) -> int:
@@ -105,6 +102,10 @@ class _State:
 
 
 _S = _State()
+# The simulator's one log of violations (see strategies._ordering.Violations).
+_record = _S.violations.record
+_fail = _S.violations.fail
+_raise_recorded = _S.violations.raise_recorded
 _sids = itertools.count(1)
 
 
@@ -125,27 +126,6 @@ def _on_event_loop() -> bool:
         return True
     trio = sys.modules.get("trio")
     return bool(trio is not None and trio.lowlevel.in_trio_run())
-
-
-def _record(message: str) -> None:
-    with _S.lock:
-        _S.violations.append(message)
-
-
-def _fail(message: str) -> None:
-    with _S.lock:
-        _S.violations.append(message)
-        _S.raised = len(_S.violations)
-    raise CudaSimViolation(message)
-
-
-def _raise_recorded() -> None:
-    with _S.lock:
-        if _S.raised >= len(_S.violations):
-            return
-        new = _S.violations[_S.raised:]
-        _S.raised = len(_S.violations)
-    raise CudaSimViolation("; ".join(new))
 
 
 # -- work on streams --------------------------------------------------------------------
@@ -357,15 +337,26 @@ class SimEvent:
 
 @dataclass(eq=False)
 class _Segment:
+    """A segment the simulated allocator reserved (as ``cudaMalloc``), owned by one stream's
+    pool, small or large, and cut into blocks."""
+
     mem: mmap.mmap
     size: int
     stream: int
     small: bool
     blocks: list[_Block] = field(default_factory=list)
 
+    @property
+    def idle(self) -> bool:
+        """Every block free: ``empty_cache`` gives the segment back."""
+        return all(b.state == "free" for b in self.blocks)
+
 
 @dataclass(eq=False)
 class _Block:
+    """A piece of a segment: free, used by a tensor, or freed while streams that recorded a
+    use of it (``record_stream``) have not passed the positions in ``waits`` (``pending``)."""
+
     segment: _Segment
     offset: int
     size: int
@@ -407,17 +398,6 @@ def _range(t: torch.Tensor) -> tuple[int, int, int]:
         return base, t.data_ptr(), t.data_ptr()
     span = 1 + sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride(), strict=True))
     return base, t.data_ptr(), t.data_ptr() + span * t.element_size()
-
-
-def _poison(t: torch.Tensor) -> None:
-    with torch.no_grad(), torch.inference_mode(False):
-        if t.is_contiguous():
-            t.detach().reshape(-1).view(torch.uint8).fill_(POISON)
-        elif t.dtype.is_floating_point or t.dtype.is_complex:
-            t.detach().fill_(float("nan"))
-        else:
-            t.detach().fill_(True if t.dtype == torch.bool else -1 if t.dtype.is_signed else
-                             torch.iinfo(t.dtype).max)
 
 
 class SimCuda:
@@ -723,7 +703,7 @@ class SimCuda:
     def _release_free(self) -> None:
         self._process_pending()
         for seg in list(self._segments):
-            if all(b.state == "free" for b in seg.blocks):
+            if seg.idle:
                 self._segments.remove(seg)
                 self._reserved -= seg.size
                 seg.blocks.clear()
@@ -820,7 +800,7 @@ class SimCuda:
             with torch.no_grad(), torch.inference_mode(False):
                 snapshot = torch.empty_like(src, memory_format=torch.contiguous_format)
                 snapshot.copy_(src)
-                _poison(dst)
+                poison(dst)
             item = stream._queue("copy", what, self._random.uniform(0.0, self.max_lag))
             item.land = _lander(item, dst, src, snapshot)
             item.dst = weakref.ref(dst.untyped_storage())
@@ -952,8 +932,8 @@ def check_cuda_sim() -> list[str]:
     nobody waited for (neither the host nor another stream, nor dropped on purpose). Then
     everything in flight lands and is forgotten, so the next test starts clean."""
     with _S.lock:
-        problems = _S.violations[_S.checked:]
-        _S.checked = _S.raised = len(_S.violations)
+        problems = _S.violations.take_unreported()
+        _S.violations.raised = _S.violations.checked
         waited: dict[int, int] = dict(_S.host)
         for stream in list(_S.streams.values()):
             waited = _merge(waited, stream.knows)
@@ -970,14 +950,14 @@ def check_cuda_sim() -> list[str]:
         _retire()
         for sim in list(_S.devices):
             sim._process_pending()
-        _S.checked = _S.raised = len(_S.violations)
+        _S.violations.checked = _S.violations.raised = len(_S.violations.found)
     return problems
 
 
 def _report_at_exit() -> None:
     """A program run on the simulated GPU (``RESIDENCY_DEVICE_LAYER=cuda-sim``) names, on
     stderr as it exits, what it recorded that nobody reported (raised ones failed their call)."""
-    if not _S.devices and not _S.violations[_S.checked:]:
+    if not _S.devices and _S.violations.checked == len(_S.violations.found):
         return
     problems = check_cuda_sim()
     if problems:

@@ -74,15 +74,14 @@ async def _alloc(store: TensorStore, nbytes: int, tier: Tier) -> torch.Tensor:
 
 
 @dataclass(eq=False)
-class DiscardMove:
-    """A prepared discarding sleep of one store (see the module doc)."""
+class _WholeStoreMove:
+    """A discarding sleep's or its wake's move: it concerns every unit of ``store``; those
+    that move as usual do so in its ``normal`` move, committed and undone first. Nothing is
+    left to do after its commit (no mirror refresh runs)."""
 
     store: TensorStore
-    drop: set[int]  # id() of every slot dropped
-    discarded: Discarded
-    normal: Move | None = None  # the units with nothing dropped: an ordinary sleep
-    bytes_copied: int = 0
-    to: Tier = "host"
+    normal: Move | None = field(default=None, kw_only=True)
+    bytes_copied: int = field(default=0, kw_only=True)
 
     @property
     def units(self) -> list[Unit]:
@@ -91,6 +90,32 @@ class DiscardMove:
     def commit(self) -> None:
         if self.normal is not None:
             self.normal.commit()
+        self._commit()
+
+    async def undo(self) -> None:
+        if self.normal is not None:
+            await self.normal.undo()
+        self._undo()
+
+    async def settle(self) -> BaseException | None:
+        return None
+
+    def _commit(self) -> None:
+        raise NotImplementedError
+
+    def _undo(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class DiscardMove(_WholeStoreMove):
+    """A prepared discarding sleep of one store (see the module doc)."""
+
+    drop: set[int]  # id() of every slot dropped (``normal``: the units with none dropped)
+    discarded: Discarded
+    to: Tier = "host"
+
+    def _commit(self) -> None:
         d = self.discarded
         for unit in d.units:
             for st in unit.storages:
@@ -112,13 +137,8 @@ class DiscardMove:
         self.store.discarded = d
         self.store.refresh_derived(d.units)
 
-    async def undo(self) -> None:
-        if self.normal is not None:
-            await self.normal.undo()
+    def _undo(self) -> None:
         self.discarded.buffer = None
-
-    async def settle(self) -> BaseException | None:
-        return None
 
 
 async def prepare_discard(store: TensorStore, everything: bool,
@@ -160,23 +180,15 @@ async def prepare_discard(store: TensorStore, everything: bool,
 
 
 @dataclass(eq=False)
-class UndiscardMove:
+class UndiscardMove(_WholeStoreMove):
     """A prepared wake of a store a discarding sleep emptied (see the module doc)."""
 
-    store: TensorStore
+    # (``normal``: the units that slept as usual and live on the device)
     placements: list[tuple[Unit, Tier, torch.Tensor]]
-    normal: Move | None = None  # the units that slept as usual and live on the device
-    bytes_copied: int = 0
     _pending: int = 0
     to: Tier = "device"
 
-    @property
-    def units(self) -> list[Unit]:
-        return list(self.store.units)
-
-    def commit(self) -> None:
-        if self.normal is not None:
-            self.normal.commit()
+    def _commit(self) -> None:
         store = self.store
         for unit, tier, buf in self.placements:
             if tier == "device":
@@ -190,15 +202,10 @@ class UndiscardMove:
         store.discarded = None
         store.refresh_derived(store.units)
 
-    async def undo(self) -> None:
-        if self.normal is not None:
-            await self.normal.undo()
+    def _undo(self) -> None:
         self.store.add_pending(-self._pending)
         self._pending = 0
         self.placements.clear()
-
-    async def settle(self) -> BaseException | None:
-        return None
 
 
 async def prepare_undiscard(store: TensorStore, awake: list[Unit],

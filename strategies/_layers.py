@@ -16,7 +16,7 @@ __all__ = ["DEVICE_LAYER_ENV", "LAYER_KINDS", "cpu_layer_kind", "layer_seed", "m
 #: Environment variable naming the layer for a CPU device:
 #:
 #: * ``cpu`` (default): :class:`~strategies.CpuDevice`;
-#: * ``ordering``: :class:`~strategies.testing.OrderingDevice` (copies land late, only when
+#: * ``ordering``: :class:`~strategies._ordering.OrderingDevice` (copies land late, only when
 #:   waited for, and ordering mistakes raise);
 #: * ``cuda-sim``: :class:`~strategies._cuda.CudaDevice` itself, over a simulated GPU
 #:   (:mod:`strategies._cudasim`): the CUDA layer's own code runs, and what would go wrong on a

@@ -53,7 +53,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import anyio
 import anyio.to_thread
@@ -61,7 +61,8 @@ import torch
 
 from ._device import CopyHandle, CopyPair, CpuDevice, Tier
 
-__all__ = ["POISON", "OrderingDevice", "OrderingViolation", "check_ordering"]
+__all__ = ["POISON", "OrderingDevice", "OrderingViolation", "Violations", "check_ordering",
+           "poison"]
 
 POISON = 0xFF  # the byte a buffer holds until a copy into it lands (NaN in float dtypes)
 
@@ -73,12 +74,53 @@ class OrderingViolation(AssertionError):
     """A copy and its buffers were not ordered as the CUDA path needs (see module doc)."""
 
 
+class Violations:
+    """The violations a checking layer found, in order (``found``; ``lock`` guards them).
+    Each is raised once: where it is found (:meth:`fail`), or by the next call into the layer
+    when it was only recorded where nothing could raise (:meth:`record`: a finalizer, another
+    thread); a test fixture takes what nobody reported (:meth:`take_unreported`)."""
+
+    def __init__(self, lock: threading.RLock, error: type[OrderingViolation]) -> None:
+        self.lock = lock
+        self.error = error
+        self.found: list[str] = []
+        self.raised = 0  # found[:raised] were raised by a call into the layer
+        self.checked = 0  # found[:checked] were reported by a test fixture
+
+    def record(self, message: str) -> None:
+        with self.lock:
+            self.found.append(message)
+
+    def fail(self, message: str) -> NoReturn:
+        """Record and raise at once."""
+        with self.lock:
+            self.found.append(message)
+            self.raised = len(self.found)
+        raise self.error(message)
+
+    def raise_recorded(self) -> None:
+        """Raise every violation recorded since the last one raised, in one error."""
+        with self.lock:
+            if self.raised >= len(self.found):
+                return
+            new = self.found[self.raised:]
+            self.raised = len(self.found)
+        raise self.error("; ".join(new))
+
+    def take_unreported(self) -> list[str]:
+        """The violations not yet reported by a test fixture (marks them reported)."""
+        with self.lock:
+            out = self.found[self.checked:]
+            self.checked = len(self.found)
+            return out
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as 1-D uint8 (a view when ``t`` is contiguous)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _poison(t: torch.Tensor) -> None:
+def poison(t: torch.Tensor) -> None:
     """Fill ``t`` with poison in place (bumps its version counter, as the real copy would)."""
     with torch.no_grad(), torch.inference_mode(False):
         if t.is_contiguous():
@@ -216,30 +258,29 @@ class OrderingDevice(CpuDevice):
         self._ord_streams: dict[Tier, list[_Copy]] = {"device": [], "host": []}
         self._ord_by_ptr: dict[int, list[tuple[_Copy, str]]] = {}
         self._ord_last_due: dict[Tier, float] = {"device": 0.0, "host": 0.0}
-        self.violations: list[str] = []
-        self._ord_raised = 0  # violations[:_ord_raised] were raised by a call into the layer
-        self.checked = 0  # violations[:checked] were reported by a test fixture
+        self._ord_log = Violations(self._ord_lock, OrderingViolation)
+        self.violations = self._ord_log.found
         OrderingDevice.instances.add(self)
 
     # -- labels and allocation -----------------------------------------------------------
     def label(self, buf: torch.Tensor, component: str, unit: str) -> None:
-        self._ord_raise_recorded()
+        self._ord_log.raise_recorded()
         setattr(buf.untyped_storage(), _OWNER, f"component {component!r} unit {unit!r}")
 
     def _alloc(self, nbytes: int, tier: Tier, pinned: bool) -> torch.Tensor:
-        self._ord_raise_recorded()
+        self._ord_log.raise_recorded()
         buf = super()._alloc(nbytes, tier, pinned)
         setattr(buf.untyped_storage(), _TIER, tier)
         buf.fill_(POISON)  # never written yet: whoever reads it sees NaN
         return buf
 
     def for_compute(self, buf: torch.Tensor) -> None:
-        self._ord_raise_recorded()
+        self._ord_log.raise_recorded()
         side = _Side.of(buf, "device")
         with self._ord_lock:
             for c, role in self._ord_by_ptr.get(side.ptr, ()):
                 if role == "dst" and not c.compute_ordered and c.dst.overlaps(side):
-                    self._ord_fail(f"{c.dst.describe()} was handed to compute before "
+                    self._ord_log.fail(f"{c.dst.describe()} was handed to compute before "
                                    f"{c.describe()} was waited for: kernels would read it "
                                    "before the copy landed")
 
@@ -247,7 +288,7 @@ class OrderingDevice(CpuDevice):
         """Device-tier memory is the device's (CUDA: the host cannot write it): no. Host-tier
         memory: yes, unless a copy not yet waited for by the host reads or writes it, which
         is an ordering violation (the host would race with the copy)."""
-        self._ord_raise_recorded()
+        self._ord_log.raise_recorded()
         side = _Side.of(t, tier)
         if tier == "device" or side.tier == "device":
             return False
@@ -255,40 +296,22 @@ class OrderingDevice(CpuDevice):
             for c, role in self._ord_by_ptr.get(side.ptr, ()):
                 if not c.retired and getattr(c, role).overlaps(side):
                     what = "writes" if role == "dst" else "reads"
-                    self._ord_fail(f"the host writes {side.describe()} while {c.describe()} "
+                    self._ord_log.fail(f"the host writes {side.describe()} while {c.describe()} "
                                    f"still {what} it")
         return True
 
     # -- violations ------------------------------------------------------------------------
-    def _ord_fail(self, message: str) -> None:
-        """Record and raise at once."""
-        with self._ord_lock:
-            self.violations.append(message)
-            self._ord_raised = len(self.violations)
-        raise OrderingViolation(message)
-
-    def _ord_raise_recorded(self) -> None:
-        with self._ord_lock:
-            if self._ord_raised >= len(self.violations):
-                return
-            new = self.violations[self._ord_raised:]
-            self._ord_raised = len(self.violations)
-        raise OrderingViolation("; ".join(new))
-
     def take_unreported(self) -> list[str]:
         """Violations not yet reported by a test fixture (marks them reported)."""
-        with self._ord_lock:
-            out = self.violations[self.checked:]
-            self.checked = len(self.violations)
-            return out
+        return self._ord_log.take_unreported()
 
     # -- starting copies -------------------------------------------------------------------
     def start_copy(self, pairs: Sequence[CopyPair], to: Tier) -> CopyHandle:
-        self._ord_raise_recorded()
+        self._ord_log.raise_recorded()
         return _Handle(self, self._ord_start(list(pairs), to))
 
     async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
-        self._ord_raise_recorded()
+        self._ord_log.raise_recorded()
         if pairs:
             # abandon_on_cancel=False: a cancelled caller waits for the thread to finish.
             await anyio.to_thread.run_sync(self._ord_copy_now, list(pairs), to,
@@ -319,7 +342,7 @@ class OrderingDevice(CpuDevice):
                     self._ord_check_start(batch, dst, src, after_compute)
                     snapshot = torch.empty_like(src_t, memory_format=torch.contiguous_format)
                     self._copy_one(snapshot, src_t)  # the CUDA enqueue: counted, may fail
-                    _poison(dst_t)
+                    poison(dst_t)
                     self._ord_add(batch, dst, src, snapshot)
         except BaseException:
             # Copies already queued land before the caller frees their buffers.
@@ -346,7 +369,7 @@ class OrderingDevice(CpuDevice):
                         c.stream == to or (c.compute_ordered and after_compute))):
                     self._ord_land(c)  # ordered after it: it has run by the time this one runs
                     continue
-                self._ord_fail(f"a copy to {to} " + what.format(b=getattr(c, role).describe(),
+                self._ord_log.fail(f"a copy to {to} " + what.format(b=getattr(c, role).describe(),
                                                              c=c.describe()))
 
     def _ord_add(self, batch: _Batch, dst: _Side, src: _Side, snapshot: torch.Tensor) -> None:
@@ -379,7 +402,7 @@ class OrderingDevice(CpuDevice):
         their bytes until it waits itself."""
         if not batch.copies:
             if check:
-                self._ord_raise_recorded()
+                self._ord_log.raise_recorded()
             return
         last = batch.copies[-1]
         with self._ord_lock:
@@ -387,7 +410,7 @@ class OrderingDevice(CpuDevice):
             upto = [c for c in queue if c.seq <= last.seq]
         if not upto:
             if check:
-                self._ord_raise_recorded()
+                self._ord_log.raise_recorded()
             return
         due = max(c.due for c in upto)
         delay = due - time.monotonic()
@@ -401,7 +424,7 @@ class OrderingDevice(CpuDevice):
                 if host:
                     self._ord_retire(c)
         if check:  # landed first: a violation seen meanwhile leaves no copy behind
-            self._ord_raise_recorded()
+            self._ord_log.raise_recorded()
 
     def _ord_land(self, c: _Copy) -> list[str]:
         """Write ``c``'s bytes into its destination (once); returns the violations seen."""
@@ -469,22 +492,22 @@ class OrderingDevice(CpuDevice):
             side.ptr = -1 - c.seq  # never overlaps anything again
 
     # -- whole-layer waits -----------------------------------------------------------------
-    def synchronize(self) -> None:
-        """Land every copy in flight and order everything after them."""
+    def _ord_land_all(self) -> None:
+        """Land every copy in flight: the host waits for the last of each stream."""
         for stream in ("device", "host"):
             with self._ord_lock:
                 queue = list(self._ord_streams[stream])
             if queue:
                 self._ord_wait(queue[-1].batch, host=True, check=False)
-        self._ord_raise_recorded()
+
+    def synchronize(self) -> None:
+        """Land every copy in flight and order everything after them."""
+        self._ord_land_all()
+        self._ord_log.raise_recorded()
 
     def close(self) -> None:
         """Land every copy in flight (as the CPU layer's close waits for its thread)."""
-        for stream in ("device", "host"):
-            with self._ord_lock:
-                queue = list(self._ord_streams[stream])
-            if queue:
-                self._ord_wait(queue[-1].batch, host=True, check=False)
+        self._ord_land_all()
         super().close()
 
     def _ord_drop(self, batch: _Batch) -> None:

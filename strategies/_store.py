@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
+import anyio.lowlevel
 import torch
 from torch import nn
 
@@ -401,7 +402,12 @@ class TensorStore:
                          progress: Progress | None = None) -> None:
         """Copy ``(dst, src)`` pairs in chunks of about :data:`CHUNK` bytes, telling
         ``progress`` after each (a progress bar, and a cancellation point between chunks)."""
-        for chunk in chunked(pairs, lambda pair: int(pair[0].nbytes), CHUNK):
+        for i, chunk in enumerate(chunked(pairs, lambda pair: int(pair[0].nbytes), CHUNK)):
+            if i:
+                # The cancellation point, whatever the layer: a layer may wait for a started
+                # copy shielded (the CUDA layer does: a copy is never abandoned) and return
+                # without one.
+                await anyio.lowlevel.checkpoint_if_cancelled()
             await self.layer.copy(chunk, to)
             if progress:
                 progress(sum(int(dst.nbytes) for dst, _ in chunk))

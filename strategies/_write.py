@@ -417,16 +417,6 @@ class WriteMove:
         await self._restore(self.targets)
         self._drop_backups()
 
-    def rollback(self) -> None:
-        """Synchronous :meth:`undo` (blocks until the restore copy has landed)."""
-        pairs = [t.restore_pair() for t in self.targets if not t.slot.stale]
-        if pairs:
-            # The host waits for this restore copy alone (the backups are dropped next).
-            self.store.layer.start_copy(pairs, _live_tier(self.targets)).wait_host()
-        for t in self.targets:
-            t.forget_write()
-        self._drop_backups()
-
     def commit(self) -> None:
         """Keep the new values: backups dropped; host-placed tensors are clean (the host
         store is the written copy), device tensors stale until the refresh :meth:`settle`

@@ -1,14 +1,15 @@
 """Every async test runs on asyncio (debug mode: flags torch work blocking the loop) and trio.
 
 ``--device-layer`` picks the layer every controller and store that makes its own CPU layer
-gets (through ``RESIDENCY_DEVICE_LAYER``, so the programs tests start get it too), and what
-``FaultyDevice`` (with the test layers derived from it) becomes:
+gets, and what ``lifecycle.testing.FaultyDevice`` (with the test layers derived from it) is:
+it sets ``RESIDENCY_DEVICE_LAYER`` before the tests are imported, which selects both (see
+``lifecycle.testing``), and the programs tests start get it too:
 
-* ``ordering``: the ordering layer (``strategies.testing.OrderingDevice``, and
+* ``ordering``: the ordering layer (``lifecycle.testing.OrderingDevice``, and
   ``OrderingFaultyDevice``): copies land late, only when waited for, poison (NaN) until then,
   and any ordering mistake of the CUDA path is reported;
 * ``cuda-sim``: the CUDA layer itself (``CudaDevice``, and ``FaultyCudaDevice``) over a
-  simulated GPU (``strategies.testing.SimCuda``): streams that land late, a lagging compute
+  simulated GPU (``lifecycle.testing.SimCuda``): streams that land late, a lagging compute
   stream, torch's allocator rules, pinned registration, poison.
 
 Whatever the option, a test fails at teardown if a checking layer recorded a violation during
@@ -26,43 +27,20 @@ import pytest
 import structlog
 import torch
 
-import lifecycle.testing
-import strategies.testing
-from strategies import CudaDevice
-from strategies._layers import DEVICE_LAYER_ENV, LAYER_KINDS, layer_seed, seed_layers
-from strategies.testing import (
-    FaultyCudaDevice,
-    OrderingFaultyDevice,
+from lifecycle.testing import (
+    DEVICE_LAYER_ENV,
+    LAYER_KINDS,
     SimCuda,
     check_cuda_sim,
     check_ordering,
+    layer_seed,
+    seed_layers,
 )
+from strategies import CudaDevice
 
-ORDERING_MAX_DELAY = 0.002  # seconds: each copy lands up to this late (keeps the pass fast)
-
-
-class _OrderingFaultyDevice(OrderingFaultyDevice):
-    """``FaultyDevice`` under ``--device-layer=ordering``: delays seeded per test."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("ordering_seed", layer_seed())
-        kwargs.setdefault("max_delay", ORDERING_MAX_DELAY)
-        super().__init__(*args, **kwargs)
-
-
-class _SimFaultyDevice(FaultyCudaDevice):
-    """``FaultyDevice`` under ``--device-layer=cuda-sim``: the CUDA layer with fault
-    injection, over a simulated GPU seeded per test."""
-
-    def __init__(self, device: torch.device | None = None, **faults: Any) -> None:
-        super().__init__(device, SimCuda(seed=layer_seed()), **faults)
-
-
-_FAULTY = {"ordering": _OrderingFaultyDevice, "cuda-sim": _SimFaultyDevice}
-_original: dict[str, Any] = {}
+# seconds: each copy lands up to this late (the ordering layers' default: keeps the pass fast)
+ORDERING_MAX_DELAY = 0.002
 _env_before = os.environ.get(DEVICE_LAYER_ENV)  # restored at the end of the session
-# Where tests look up the fault-injecting CPU layer by name (module, attribute).
-_PATCHES = [(strategies.testing, "FaultyDevice"), (lifecycle.testing, "FaultyDevice")]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -122,20 +100,14 @@ def cuda_layer(request: pytest.FixtureRequest) -> Iterator[Callable[..., CudaDev
 def pytest_configure(config: pytest.Config) -> None:
     kind = config.getoption("--device-layer")
     if kind != "cpu":
-        # Before collection: test modules import FaultyDevice by name.
-        for module, name in _PATCHES:
-            _original.setdefault(f"{module.__name__}.{name}", getattr(module, name))
-            setattr(module, name, _FAULTY[kind])
-        # Every layer the library makes for a CPU device (controllers, strategies), and the
-        # programs the tests start (`residency serve`, drills, rank workers), use it.
+        # Before collection: test modules import FaultyDevice by name, and the variable
+        # decides what it is. Every layer the library makes for a CPU device (controllers,
+        # strategies), and the programs the tests start (`residency serve`, drills, rank
+        # workers), use it too.
         os.environ[DEVICE_LAYER_ENV] = kind
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for module, name in _PATCHES:
-        key = f"{module.__name__}.{name}"
-        if key in _original:
-            setattr(module, name, _original.pop(key))
     if _env_before is None:
         os.environ.pop(DEVICE_LAYER_ENV, None)
     else:
@@ -161,9 +133,10 @@ def _ordering_checks(request: pytest.FixtureRequest) -> Iterator[None]:
     seed_layers(zlib.crc32(request.node.nodeid.encode()) ^ request.config.getoption(
         "--ordering-seed"))
     yield
-    problems = check_ordering() + check_cuda_sim()
-    if problems:
-        pytest.fail("ordering violations:\n- " + "\n- ".join(problems), pytrace=False)
+    found = {"ordering": check_ordering(), "cuda-sim": check_cuda_sim()}
+    if any(found.values()):
+        pytest.fail("\n".join(f"{layer} violations:\n- " + "\n- ".join(problems)
+                              for layer, problems in found.items() if problems), pytrace=False)
 
 
 @pytest.fixture(params=[pytest.param(("asyncio", {"debug": True}), id="asyncio"),

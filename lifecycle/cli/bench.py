@@ -44,7 +44,7 @@ from torch import nn
 
 from lifecycle import LifecycleController, configure_logging
 from lifecycle._checkpoint import unique_tensors
-from lifecycle._units import gbps, parse_size
+from lifecycle._units import format_bytes, gbps, parse_size
 from lifecycle.demo import DemoPipeline
 
 __all__ = ["base_options", "pipeline_options", "reference_sleep", "reference_wake", "run"]
@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
                         for k, (v, t) in targets.items()},
             "correct": correct}, indent=2))
     else:
-        print(f"pipeline: {n / 1e9:.3f} GB ({args.dtype}) on {device}, built in {build_s:.2f} s; "
+        print(f"pipeline: {format_bytes(n)} ({args.dtype}) on {device}, built in {build_s:.2f} s; "
               f"median of {args.repeats}, {torch.get_num_threads()} torch threads, "
               f"malloc {args.malloc}")
         print(f"{'operation':<22}{'seconds':>12}{'bytes moved':>16}{'GB/s':>12}")

@@ -30,7 +30,7 @@ import anyio
 import torch
 
 from lifecycle import LifecycleController, WeightsDiscarded
-from lifecycle._units import parse_size
+from lifecycle._units import format_bytes, parse_size
 from lifecycle.demo import DemoPipeline
 
 from .bench import DTYPES, bench_setup
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             "modes": {m: {k: v for k, v in r.items() if k != "images"} for m, r in out.items()},
             "cycle_speedup": speedup, "correct": correct}, indent=2))
     else:
-        print(f"RL cycle on a {n / 1e9:.3f} GB pipeline ({args.dtype}) on {device}: release, "
+        print(f"RL cycle on a {format_bytes(n)} pipeline ({args.dtype}) on {device}: release, "
               f"resume, full transformer update, generate; median of {args.repeats}")
         print(f"{'mode':<9}" + "".join(f"{s:>11}" for s in STEPS) +
               f"{'cycle':>10}{'host after':>16}{'pinned':>15}")

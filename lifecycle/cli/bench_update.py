@@ -62,7 +62,7 @@ import torch
 
 from lifecycle import LifecycleController
 from lifecycle._checkpoint import unique_tensors, write_checkpoint
-from lifecycle._units import gbps, parse_size
+from lifecycle._units import format_bytes, gbps, parse_size
 from lifecycle.demo import DemoPipeline
 
 from .bench import (
@@ -398,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
             "note": note,
             "correct": correct}, indent=2))
     else:
-        print(f"update of {n / 1e9:.3f} GB ({args.dtype}) on {device}, transformer "
+        print(f"update of {format_bytes(n)} ({args.dtype}) on {device}, transformer "
               f"{args.mode}, {'cold (no mirrors yet)' if args.cold else 'after a sleep/wake'}; "
               f"median of {args.repeats} after a warm-up, "
               f"{torch.get_num_threads()} torch threads, malloc {args.malloc}")

@@ -3,7 +3,7 @@
     residency serve [--host 127.0.0.1] [--port 30000] [--pipeline demo|MODULE:FACTORY]
         [--size 64MB] [--residency ... | --device-budget 20GiB] [--device cpu|cuda|cuda:N]
         [--api-key KEY]
-        [--auto-wake] [--drain-timeout S] [--log-json]
+        [--auto-wake] [--drain-timeout S] [--log-json] [--discard-on-release all|NAMES]
         [--header-timeout S] [--body-timeout S] [--max-connections N] [--fd-timeout S]
 
 ``--pipeline MODULE:FACTORY`` imports ``MODULE`` and calls ``FACTORY()``, which returns a
@@ -11,6 +11,12 @@ pipeline (anything ``attach()`` takes) or ``(pipeline, generate)`` with ``genera
 ``async (ctl, body) -> dict`` serving ``/generate``. The pipeline is attached when the server
 starts and detached when it stops. SIGTERM or SIGINT: stop accepting, let requests in flight
 finish (at most ``--drain-timeout`` seconds), detach, exit 0; a second signal exits at once.
+
+``--discard-on-release all|NAMES`` (comma-separated component names) makes every
+``/release_memory_occupation`` drop those components' weights without a host copy (the
+controller's ``discard_on_release``; the reference's clients send ``{}``): they are stale
+from then on and, once resumed, serve nothing until updates write every tensor; a release
+body's ``"discard"`` overrides it per call. Names the pipeline lacks are bad usage (exit 2).
 
 An empty ``--api-key`` (or ``RESIDENCY_API_KEY``) is bad usage (it would admit an empty token);
 binding an address other than loopback without a key prints a warning. Slow clients are bounded
@@ -30,6 +36,8 @@ from types import FrameType
 from typing import Any
 
 from lifecycle import InfeasibleBudget, LifecycleController, configure_logging
+from lifecycle._discard import resolve_discard
+from lifecycle._pipeline import components_of
 from lifecycle._units import parse_size
 from lifecycle.demo import DemoPipeline
 
@@ -54,6 +62,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds a release/update or a shutdown waits for work in flight")
     ap.add_argument("--log-json", action="store_true", help="log JSON lines on stderr")
+    ap.add_argument("--discard-on-release", type=_discard_names, metavar="all|NAMES",
+                    help="every /release_memory_occupation drops these components' weights "
+                         "(comma-separated names, or 'all') without a host copy; resumed, they "
+                         "serve nothing until updates write every tensor. A release "
+                         "body's \"discard\" (true, false, \"all\", [names]) overrides it")
     ap.add_argument("--nproc", type=int, default=1,
                     help="rank processes on this machine (rank 0 serves HTTP); under torchrun "
                          "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are read instead")
@@ -76,6 +89,31 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
     return value
+
+
+def _discard_names(text: str) -> str | list[str]:
+    """``--discard-on-release``: ``"all"`` or the component names (checked at start)."""
+    if text.strip() == "all":
+        return "all"
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"must be 'all' or comma-separated component names, "
+                                         f"got {text!r}")
+    return names
+
+
+def _check_discard(discard: str | list[str], pipe: Any) -> None:
+    """ValueError naming the valid components when ``--discard-on-release`` names one ``pipe``
+    lacks. Checked on every rank before any joins the group (all exit 2 alike); a pipeline
+    without components is left to ``attach``, which says what is wrong with it."""
+    try:
+        components = components_of(pipe)
+    except (TypeError, ValueError):
+        return
+    try:
+        resolve_discard(discard, components)
+    except ValueError as exc:
+        raise ValueError(f"--discard-on-release: {exc}") from None
 
 
 def _count(text: str) -> int:
@@ -161,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         pipe, generate, described = load_pipeline(args.pipeline, args.size)
+        discard = getattr(args, "discard_on_release", None)
+        if discard is not None:
+            _check_discard(discard, pipe)
         group = _join_group(args) if world > 1 else None
         if args.device_budget is not None and args.residency not in (None, "auto"):
             raise ValueError("--device-budget plans the residency: leave out --residency")
@@ -169,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
                                   device_budget=args.device_budget,
                                   drain_timeout=args.drain_timeout, auto_wake=args.auto_wake,
                                   process_group=group,
-                                  collective_timeout=args.collective_timeout)
+                                  collective_timeout=args.collective_timeout,
+                                  discard_on_release=discard)
     except (ValueError, ImportError, AttributeError) as exc:
         print(f"residency serve: {exc}", file=sys.stderr)
         return 2
@@ -203,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"residency serve: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     port = sock.getsockname()[1]
-    ranks = f", {world} ranks" if world > 1 else ""
+    extra = f", {world} ranks" if world > 1 else ""
+    if discard is not None:
+        extra += f", discard on release: {discard if discard == 'all' else ','.join(discard)}"
 
     refused: list[str] = []
 
@@ -216,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         report = ctl.report()
         print(f"residency serve: http://{args.host}:{port} pipeline {described}, "
               f"{report.device_bytes + report.host_bytes:,} bytes on {ctl.device}, residency "
-              f"{ctl.config.to_string() or 'resident'}{ranks}; ready", flush=True)
+              f"{ctl.config.to_string() or 'resident'}{extra}; ready", flush=True)
 
     async def shutdown() -> None:
         if driver is not None:

@@ -59,7 +59,9 @@ from .. import (
     TransitionFailed,
     TransitionRejected,
     UpdateResult,
+    WeightsDiscarded,
 )
+from .._discard import Discard
 from .._weight_sync import DEFAULT_TIMEOUT
 from ..metrics import ControllerMetrics
 from ._driver import Driver, Generate, LocalDriver, RanksUnavailable, Upload
@@ -315,13 +317,16 @@ def _occupation(result: OccupationResult) -> Response:
     return JSONResponse(result.as_dict(), status_code=200 if result.success else 400)
 
 
-async def _transition(request: Request, call: Callable[[], Awaitable[OccupationResult]]
+async def _transition(request: Request,
+                      call: Callable[[Mapping[str, Any]], Awaitable[OccupationResult]]
                       ) -> Response:
+    """A release or resume; ``call`` gets the body (clients send ``{}`` or ``{"tags": [...]}``,
+    which are ignored), which must be valid JSON."""
     service = _service(request)
-    await _body(request, service.body_limit)  # ignored ({} or {"tags": [...]}), but valid
+    body = await _body(request, service.body_limit)
     sleeping = service.ctl.phase is Phase.SLEEPING
     try:
-        return _occupation(await call())
+        return _occupation(await call(body))
     except DrainTimeout as exc:
         raise _refused(str(exc), 409, sleeping=sleeping) from None
     except TransitionRejected as exc:
@@ -336,28 +341,72 @@ async def _transition(request: Request, call: Callable[[], Awaitable[OccupationR
                        failed_ranks={str(r): w for r, w in exc.failed_ranks.items()}) from None
 
 
+# How many unknown names a refused ``discard`` shows, and how much of each.
+_SHOWN_NAMES, _SHOWN_CHARS = 5, 60
+
+
+def _discard(body: Mapping[str, Any], components: Sequence[str]) -> Discard:
+    """The release body's ``discard``: None (absent or null: the server's
+    ``--discard-on-release``), a boolean, ``"all"``, or component names (a list, or one string
+    of comma-separated names) as a list; a 400 naming what is wrong and the valid values."""
+    value = body.get("discard")
+    if value is None or isinstance(value, bool) or value == "all":
+        return value
+    valid = (f"true (every component), false (none), \"all\", or a list of component names "
+             f"from {sorted(components)}")
+    if isinstance(value, str):
+        names = [n.strip() for n in _text("discard", value).split(",")]
+    elif isinstance(value, list) and all(isinstance(n, str) for n in value):
+        names = [_text(f"discard[{i}]", n) for i, n in enumerate(value)]
+    else:
+        kind = "a list holding a non-string" if isinstance(value, list) else type(value).__name__
+        raise _refused(f"discard must be {valid}; got {kind}")
+    unknown = sorted({n for n in names if n not in components})
+    if unknown:
+        shown = ", ".join(repr(n[:_SHOWN_CHARS]) for n in unknown[:_SHOWN_NAMES])
+        more = f" and {len(unknown) - _SHOWN_NAMES} more" if len(unknown) > _SHOWN_NAMES else ""
+        raise _refused(f"discard names unknown component(s) {shown}{more}; it must be {valid}")
+    return names
+
+
 async def release(request: Request) -> Response:
-    return await _transition(request, _service(request).driver.sleep)
+    """Release every device byte; ``discard`` in the body (see :func:`_discard`) drops the
+    named components' weights without a host copy, overriding ``--discard-on-release``."""
+    service = _service(request)
+    return await _transition(request, lambda body: service.driver.sleep(
+        _discard(body, list(service.ctl.components))))
 
 
 async def resume(request: Request) -> Response:
-    return await _transition(request, _service(request).driver.wake)
+    return await _transition(request, lambda body: _service(request).driver.wake())
+
+
+# Where the controller's update message says which components are still stale.
+_STILL_STALE = "; still stale"
 
 
 def _update_response(result: UpdateResult, *, trainer: bool = False) -> Response:
     """An update's answer: 200, or 400 for a refusal. A rollback is a 500 (our failure),
     except, with ``trainer``, one caused by the trainer's broadcast (it died or stalled: the
-    client's side), a 400 like the reference's failed updates."""
+    client's side), a 400 like the reference's failed updates. ``stale``: the components
+    still stale after it (discarded tensors no update wrote yet: how many); a success says so
+    in its message too, with a few names, so that a trainer sees a partial update."""
+    stale = dict(result.stale)
     if result.success:
         names = ", ".join(result.updated)
+        _, found, rest = result.message.partition(_STILL_STALE)
+        if stale and not found:  # the counts at least
+            found, rest = _STILL_STALE, ": " + ", ".join(
+                f"{n} ({k} tensor(s))" for n, k in stale.items())
         return JSONResponse({"success": True, "version": result.version,
-                             "message": f"Updated {len(result.updated)} modules ({names}).",
+                             "message": f"Updated {len(result.updated)} modules ({names})."
+                                        + (found + rest if stale else ""),
                              "bytes_written": result.bytes_written, "seconds": result.seconds,
-                             "weight_version": result.weight_version})
+                             "weight_version": result.weight_version, "stale": stale})
     ours = result.rolled_back and not (trainer and trainer_failed(result))
     return JSONResponse({"success": False, "message": result.message, "version": result.version,
                          "rolled_back": result.rolled_back,
-                         "weight_version": result.weight_version},
+                         "weight_version": result.weight_version, "stale": stale},
                         status_code=500 if ours else 400)
 
 
@@ -626,6 +675,7 @@ async def checksum(request: Request) -> Response:
         sums = await service.driver.checksum(wanted)
     except (GroupBroken, RanksUnavailable) as exc:
         raise _refused(str(exc), 503) from None
+    # A stale component (discarded by a release, not all updated since): "discarded".
     return JSONResponse({n: sums.get(n, "not_found") for n in wanted})
 
 
@@ -639,6 +689,8 @@ async def generate(request: Request) -> Response:
         return JSONResponse(dict(await service.driver.generate(body)))
     except ComponentAsleep as exc:
         raise _refused(str(exc)) from None
+    except WeightsDiscarded as exc:  # stale since a discarding release: update weights first
+        raise _refused(str(exc), stale=exc.components) from None
     except AdmissionTimeout as exc:
         raise _refused(str(exc), 503) from None
     except TransitionRejected as exc:  # not initialized
@@ -676,23 +728,25 @@ async def metrics(request: Request) -> Response:
     return Response(m.render(), media_type=m.content_type)
 
 
+Handler = Callable[[Request], Awaitable[Response]]
+
+# The reference's routes, each served to POST callers with the API key.
+_POSTED: dict[str, Handler] = {
+    "/release_memory_occupation": release, "/resume_memory_occupation": resume,
+    "/update_weights_from_disk": update_from_disk, "/update_weights_from_tensor":
+    update_from_tensor, "/update_weights_from_tensor_checker": tensor_checker,
+    "/get_weights_checksum": checksum, "/init_weights_update_group": init_weights_update_group,
+    "/update_weights_from_distributed": update_weights_from_distributed,
+    "/destroy_weights_update_group": destroy_weights_update_group, "/generate": generate}
+
 # path -> (handler, methods, needs the API key)
-ROUTES: dict[str, tuple[Callable[[Request], Awaitable[Response]], tuple[str, ...], bool]] = {
-    "/release_memory_occupation": (release, ("POST",), True),
-    "/resume_memory_occupation": (resume, ("POST",), True),
-    "/update_weights_from_disk": (update_from_disk, ("POST",), True),
-    "/update_weights_from_tensor": (update_from_tensor, ("POST",), True),
-    "/update_weights_from_tensor_checker": (tensor_checker, ("POST",), True),
-    "/get_weights_checksum": (checksum, ("POST",), True),
+ROUTES: dict[str, tuple[Handler, tuple[str, ...], bool]] = {
+    **{path: (handler, ("POST",), True) for path, handler in _POSTED.items()},
     "/get_weight_version": (get_weight_version, ("GET",), True),
-    "/init_weights_update_group": (init_weights_update_group, ("POST",), True),
-    "/update_weights_from_distributed": (update_weights_from_distributed, ("POST",), True),
-    "/destroy_weights_update_group": (destroy_weights_update_group, ("POST",), True),
-    "/generate": (generate, ("POST",), True),
-    "/health": (health, ("GET",), False),
-    "/health_generate": (health, ("GET",), False),
     "/flush_cache": (flush_cache, ("GET", "POST"), True),
     "/state": (state, ("GET",), True),
+    # probes and scrapers: no key (the reference's health checks send none)
+    "/health": (health, ("GET",), False), "/health_generate": (health, ("GET",), False),
     "/metrics": (metrics, ("GET",), False),
 }
 

@@ -22,15 +22,22 @@ from .. import (
     Phase,
     TensorHashCheck,
     UpdateResult,
+    WeightsDiscarded,
     WeightUpdateGroupResult,
 )
+from .._discard import Discard
 from ._transport import FD_TIMEOUT
 from ._wire import TensorRequest, decode_entry, device_uuid, pick_entry
 
-__all__ = ["Driver", "Generate", "LocalDriver", "RanksUnavailable", "Upload"]
+__all__ = ["DISCARDED", "Driver", "Generate", "LocalDriver", "RanksUnavailable", "Upload"]
 
 # A pipeline's generation: (controller, request body) -> JSON-able answer.
 Generate = Callable[[LifecycleController, Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
+
+
+#: ``/get_weights_checksum``'s answer for a stale component (its weights discarded by a release,
+#: not all written by updates since): it has no checksum to give.
+DISCARDED = "discarded"
 
 
 class RanksUnavailable(RuntimeError):
@@ -59,7 +66,9 @@ class Driver:
         """Server ranks that run every call."""
         raise NotImplementedError
 
-    async def sleep(self) -> OccupationResult:
+    async def sleep(self, discard: Discard = None) -> OccupationResult:
+        """A release: ``discard`` as the body gave it (None: the controller's
+        ``discard_on_release``), JSON-able and already checked against the components."""
         raise NotImplementedError
 
     async def wake(self) -> OccupationResult:
@@ -74,6 +83,8 @@ class Driver:
         raise NotImplementedError
 
     async def checksum(self, names: Sequence[str]) -> dict[str, str]:
+        """The checksum of each of ``names`` the pipeline has; :data:`DISCARDED` for a
+        stale one."""
         raise NotImplementedError
 
     async def check_tensor_hashes(self, target: str, expected: Mapping[str, str]
@@ -116,9 +127,10 @@ def local_state(ctl: LifecycleController) -> dict[str, Any]:
         "rank": report.rank, "world_size": report.world_size,
         "device_bytes": report.device_bytes, "host_bytes": report.host_bytes,
         "lora_base_bytes": report.lora_base_bytes,
+        "stale": report.stale,
         "components": {n: {"mode": c.mode, "device_bytes": c.device_bytes,
                            "host_bytes": c.host_bytes, "pinned_bytes": c.pinned_bytes,
-                           "total_bytes": c.total_bytes}
+                           "total_bytes": c.total_bytes, "stale_tensors": c.stale_tensors}
                        for n, c in report.components.items()},
         "weight_update_groups": {n: g.as_dict() for n, g in ctl.weight_update_groups.items()}}
 
@@ -142,8 +154,8 @@ class LocalDriver(Driver):
             self._uuid = device_uuid(self.ctl.device, self.ctl.rank)
         return self._uuid
 
-    async def sleep(self) -> OccupationResult:
-        return await self.ctl.sleep()
+    async def sleep(self, discard: Discard = None) -> OccupationResult:
+        return await self.ctl.release_memory_occupation(discard)
 
     async def wake(self) -> OccupationResult:
         return await self.ctl.wake()
@@ -174,7 +186,14 @@ class LocalDriver(Driver):
 
     async def checksum(self, names: Sequence[str]) -> dict[str, str]:
         known = [n for n in names if n in self.ctl.components]
-        return await self.ctl.weights_checksum_async(known)
+        stale = {n for n in known if n in self.ctl.stale}
+        while True:
+            try:
+                sums = await self.ctl.weights_checksum_async([n for n in known if n not in stale])
+            except WeightsDiscarded as exc:  # a release discarded it since we looked
+                stale |= set(exc.components)
+                continue
+            return {n: DISCARDED if n in stale else sums[n] for n in known}
 
     async def check_tensor_hashes(self, target: str, expected: Mapping[str, str]
                                   ) -> TensorHashCheck:

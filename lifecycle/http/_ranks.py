@@ -48,6 +48,7 @@ from .. import (
     UpdateResult,
     WeightUpdateGroupResult,
 )
+from .._discard import Discard
 from ._driver import Driver, LocalDriver, RanksUnavailable, Upload, local_state
 from ._wire import TensorRequest, WireRefused, group_refusal, pick_entry
 
@@ -235,9 +236,10 @@ async def _run_op(local: LocalDriver, channel: OpChannel, seq: int, op: Mapping[
     """Run one op on this rank's controller; the answer rank 0 combines."""
     name, args = op["op"], op.get("args", {})
     try:
-        if name in ("sleep", "wake"):
-            result: OccupationResult = await getattr(local, name)()
-            return result.as_dict()
+        if name == "sleep":  # discard as the body gave it (None: this rank's option)
+            return (await local.sleep(args.get("discard"))).as_dict()
+        if name == "wake":
+            return (await local.wake()).as_dict()
         if name == "update_from_disk":
             return (await local.update_from_disk(
                 args["path"], args["targets"], weight_version=args.get("weight_version"),
@@ -334,7 +336,14 @@ class RankDriver(Driver):
             made = args if isinstance(args, Mapping) else await args(seq)
             op = {"op": name, "args": dict(made), **extra}
             await anyio.to_thread.run_sync(self.channel.post, seq, op)
-            result = await here(seq)
+            try:
+                result = await here(seq)
+            except BaseException:
+                # Refused here (a generation while asleep or stale): the other ranks ran the
+                # op all the same; collect their answers so that the op's keys are deleted.
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self._drop, seq)
+                raise
             answers = await anyio.to_thread.run_sync(self.channel.answers, seq, self.timeout)
             missing = sorted(set(range(1, self.channel.world_size)) - set(answers))
             if missing:
@@ -342,12 +351,21 @@ class RankDriver(Driver):
             await anyio.to_thread.run_sync(self.channel.forget, seq)
             return result, answers
 
+    def _drop(self, seq: int) -> None:
+        """Wait (up to the timeout) for op ``seq``'s answers, then delete its keys; kept
+        while a rank has not answered (it may not have read the op yet: deleting it would
+        leave that rank waiting for it)."""
+        with contextlib.suppress(Exception):  # the op already failed here
+            if len(self.channel.answers(seq, self.timeout)) == self.channel.world_size - 1:
+                self.channel.forget(seq)
+
     async def _everywhere(self, op: Mapping[str, Any], here: Callable[[], Awaitable[Any]]
                           ) -> tuple[Any, dict[int, Any]]:
         return await self._call(op["op"], op.get("args", {}), lambda seq: here())
 
-    async def sleep(self) -> OccupationResult:
-        result, _ = await self._everywhere({"op": "sleep"}, self.local.sleep)
+    async def sleep(self, discard: Discard = None) -> OccupationResult:
+        result, _ = await self._everywhere({"op": "sleep", "args": {"discard": discard}},
+                                           lambda: self.local.sleep(discard))
         return result  # type: ignore[no-any-return]
 
     async def wake(self) -> OccupationResult:

@@ -109,12 +109,12 @@ class TensorRequest:
     weight_version: str | None = None
     flush_cache: bool = False
 
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "targets": list(self.targets)}
-
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> TensorRequest:
         return cls(**{**value, "targets": tuple(value["targets"])})
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "targets": list(self.targets)}
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of :meth:`LifecycleController.update_weights_from_tensors`."""

@@ -15,6 +15,8 @@ import pytest
 from lifecycle._phase import TRANSITIONS
 from lifecycle.cli import main
 
+pytestmark = pytest.mark.moves
+
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -21,7 +21,7 @@ from lifecycle.cli.drills import (
     run_drill,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 DRILLS = Path(__file__).resolve().parents[2] / "scripts" / "drills"
 SIZE = "4MB"

@@ -42,8 +42,7 @@ import pytest
 import torch
 
 from lifecycle.demo import parse_size
-from strategies._layers import layer_seed
-from strategies.testing import FaultyCudaDevice, SimCuda
+from lifecycle.testing import FaultyCudaDevice, SimCuda, layer_seed
 from tests.gpu.helpers import REAL, SIMULATED, GpuRun, Recorder, Sizes
 
 HERE = Path(__file__).resolve().parent

@@ -17,8 +17,8 @@ from torch import nn
 from lifecycle import LifecycleController
 from lifecycle._units import gbps
 from lifecycle.demo import DemoPipeline
+from lifecycle.testing import FaultyCudaDevice
 from strategies import CudaDevice
-from strategies.testing import FaultyCudaDevice
 from tests.gpu.helpers import GpuRun, Recorder, perturbed, ratio, timed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.anyio]

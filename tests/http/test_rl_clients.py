@@ -27,6 +27,8 @@ from tests.http.clients import (
 )
 from tests.http.server import Served, running_server
 
+pytestmark = pytest.mark.service
+
 BIAS = "x_proj.bias"  # the demo transformer's (float32)
 LORA_A = "base_model.model.x_proj.lora_A.default.weight"  # PEFT's names of x_proj's adapter
 LORA_B = "base_model.model.x_proj.lora_B.default.weight"

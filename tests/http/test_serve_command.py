@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytestmark = pytest.mark.service
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

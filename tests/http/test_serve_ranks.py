@@ -4,40 +4,26 @@ ranks' generations are checked against each other, a dead rank is named, SIGTERM
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from contextlib import AbstractContextManager
 
+import anyio
 import httpx
+import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.http.server import serving_ranks
+
+pytestmark = pytest.mark.service
 
 
-@contextmanager
+
 def serving(*args: str, env: dict[str, str] | None = None
-            ) -> Iterator[tuple[subprocess.Popen[str], httpx.Client]]:
-    """``python -m lifecycle serve --nproc 2 --port 0 ...`` and a client on it."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lifecycle", "serve", "--nproc", "2", "--port", "0",
-         "--collective-timeout", "5", *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-        assert found is not None and "2 ranks" in line, line
-        with httpx.Client(base_url=f"http://127.0.0.1:{found.group(1)}", timeout=60) as client:
-            yield proc, client
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+            ) -> AbstractContextManager[tuple[subprocess.Popen[str], httpx.Client]]:
+    """``residency serve --nproc 2 --port 0 ...`` and a client on it (``serving_ranks``: the
+    ranks stopped as users stop them, and their violation reports checked)."""
+    return serving_ranks("--collective-timeout", "5", *args, env=env)
 
 
 def test_every_call_runs_on_every_rank_and_sigterm_stops_them_all() -> None:
@@ -82,3 +68,41 @@ def test_a_dead_rank_is_named_by_health_and_control_calls_answer_503() -> None:
         t0 = time.monotonic()
         r = client.post("/release_memory_occupation", json={})
         assert r.status_code == 503 and time.monotonic() - t0 < 30
+
+
+@pytest.mark.anyio
+async def test_a_call_refused_on_rank_0_leaves_no_keys_in_the_ranks_store() -> None:
+    """Rank 0 refuses a generation while asleep; the other rank ran the op all the same: its
+    answer is collected and the op's keys deleted (a long-lived server refusing generations
+    must not grow the store), and the next op runs on both ranks."""
+    import torch.distributed as dist
+
+    from lifecycle import ComponentAsleep, LifecycleController
+    from lifecycle.demo import DemoPipeline
+    from lifecycle.http import demo_generate
+    from lifecycle.http._driver import LocalDriver
+    from lifecycle.http._ranks import OpChannel, RankDriver, follow
+
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    ctls, locals_ = [], []
+    for rank in range(2):
+        pipe = DemoPipeline.build(2**18)
+        ctl = LifecycleController("cpu", rank=rank)
+        await ctl.attach(pipe)
+        ctls.append(ctl)
+        locals_.append(LocalDriver(ctl, demo_generate(pipe)))
+    driver = RankDriver(locals_[0], OpChannel(store, 0, 2), timeout=30)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follow, ctls[1], locals_[1], OpChannel(store, 1, 2))
+        while OpChannel(store, 0, 2).silent_ranks():
+            await anyio.sleep(0.01)
+        await driver.sleep()
+        keys = store.num_keys()
+        for _ in range(3):
+            with pytest.raises(ComponentAsleep):
+                await driver.generate({"seed": 1})
+        assert store.num_keys() == keys
+        await driver.wake()
+        assert (await driver.generate({"seed": 1}))["ranks_agree"] is True
+        await driver.stop()
+    assert [c.phase.value for c in ctls] == ["uninitialized", "uninitialized"]

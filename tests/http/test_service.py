@@ -25,6 +25,8 @@ from lifecycle.http import demo_generate
 from tests.http.server import Served, running_server
 from tests.http.slow_pipeline import factory
 
+pytestmark = pytest.mark.service
+
 SLEEPING_400 = "Server is sleeping. Call resume_memory_occupation first."
 UPDATE_WHILE_SLEEPING = ("Cannot update weights while the server is sleeping. "
                          "Call resume_memory_occupation first.")

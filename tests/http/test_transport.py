@@ -35,6 +35,8 @@ from torch.multiprocessing import reductions
 
 from lifecycle.http._transport import LOAD_FORMATS, TransportError, decode_named_tensors
 
+pytestmark = pytest.mark.service
+
 REFERENCE_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 
 

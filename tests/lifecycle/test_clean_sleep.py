@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-import lifecycle._controller as controller
-import lifecycle._sleep as sleep_module
 from lifecycle import LifecycleController
-from lifecycle._events import MOVE_PREPARED, TRANSITION_COMMITTED, add_event_sink, get_logger, wanted
+from lifecycle._events import MOVE_PREPARED, TRANSITION_COMMITTED, get_logger, wanted
+from lifecycle._units import gbps
+from lifecycle.testing import capture_events
 from strategies import CpuDevice
 from tests.helpers import fingerprints, layer, run_pipeline, small_pipeline
 
@@ -76,18 +76,14 @@ async def test_events_are_not_built_when_nobody_listens(monkeypatch: pytest.Monk
             raise AssertionError("an event's fields were computed for nobody")
 
         with monkeypatch.context() as patch:
-            # the summary's rate (the controller) and each component's (lifecycle._sleep)
-            patch.setattr(controller, "gbps", boom)
-            patch.setattr(sleep_module, "gbps", boom)
+            # The rate every event of a sleep carries (the summary's and each component's):
+            # the function itself fails, wherever the library calls it from.
+            patch.setattr(gbps, "__code__", boom.__code__)
             assert (await ctl.sleep()).success
         await ctl.wake()
-        seen: list[dict[str, Any]] = []
-        remove = add_event_sink(lambda e: seen.append(dict(e)))
-        try:
+        with capture_events() as seen:
             assert wanted(get_logger("lifecycle"), logging.DEBUG)
             assert (await ctl.sleep()).success
-        finally:
-            remove()
         names = [e["event"] for e in seen]
         assert names.count(MOVE_PREPARED) == len(ctl.components)
         summary = [e for e in seen if e["event"] == TRANSITION_COMMITTED]
@@ -119,28 +115,27 @@ async def test_held_bytes_are_exact_across_sleeps() -> None:
     device bytes at every wake and sleep (no drift over cycles), the peak is the largest of
     them, and an allocation counts until its storage dies."""
     layer = CpuDevice()
-    ctl = LifecycleController(device_layer=layer)
-    await ctl.attach(small_pipeline())
-    nbytes = ctl.report().device_bytes
-    await ctl.sleep()
-    gc.collect()
-    asleep = layer.held_bytes
-    assert asleep == 0  # a buffer viewing a temporary no longer keeps the temporary's storage
-    for _ in range(5):
-        await ctl.wake()
-        assert layer.held_bytes == asleep + ctl.report().device_bytes == asleep + nbytes
+    async with LifecycleController(device_layer=layer) as ctl:
+        await ctl.attach(small_pipeline())
+        nbytes = ctl.report().device_bytes
         await ctl.sleep()
         gc.collect()
-        assert layer.held_bytes == asleep and ctl.report().device_bytes == 0
-    assert layer.peak_bytes == asleep + nbytes
-    layer.reset_peak()
-    assert layer.peak_bytes == layer.held_bytes
-    held = layer.held_bytes
-    extra = layer.alloc(1000, "device")
-    assert layer.held_bytes == held + 1000 == layer.peak_bytes
-    del extra
-    assert layer.held_bytes == held
-    await ctl.aclose()
+        asleep = layer.held_bytes
+        assert asleep == 0  # a buffer viewing a temporary no longer keeps the temporary's storage
+        for _ in range(5):
+            await ctl.wake()
+            assert layer.held_bytes == asleep + ctl.report().device_bytes == asleep + nbytes
+            await ctl.sleep()
+            gc.collect()
+            assert layer.held_bytes == asleep and ctl.report().device_bytes == 0
+        assert layer.peak_bytes == asleep + nbytes
+        layer.reset_peak()
+        assert layer.peak_bytes == layer.held_bytes
+        held = layer.held_bytes
+        extra = layer.alloc(1000, "device")
+        assert layer.held_bytes == held + 1000 == layer.peak_bytes
+        del extra
+        assert layer.held_bytes == held
 
 
 
@@ -178,14 +173,13 @@ async def test_a_buffer_viewing_a_temporary_lets_the_temporary_go_at_sleep() -> 
     objects = [module.ids, module.pe, module.row]
     values = [t.clone() for t in objects]
     layer = CpuDevice()
-    ctl = LifecycleController(device_layer=layer)
-    await ctl.attach({"transformer": module})
-    assert all(a is b for a, b in zip([module.ids, module.pe, module.row], objects, strict=True))
-    assert all(torch.equal(t, v) for t, v in zip(objects, values, strict=True))
-    await ctl.sleep()
-    gc.collect()
-    assert layer.held_bytes == 0 and all(ref() is None for ref in bases)
-    await ctl.wake()
-    with torch.no_grad():
-        assert torch.equal(module(x), expected)
-    await ctl.aclose()
+    async with LifecycleController(device_layer=layer) as ctl:
+        await ctl.attach({"transformer": module})
+        assert all(a is b for a, b in zip([module.ids, module.pe, module.row], objects, strict=True))
+        assert all(torch.equal(t, v) for t, v in zip(objects, values, strict=True))
+        await ctl.sleep()
+        gc.collect()
+        assert layer.held_bytes == 0 and all(ref() is None for ref in bases)
+        await ctl.wake()
+        with torch.no_grad():
+            assert torch.equal(module(x), expected)

@@ -11,7 +11,7 @@ from lifecycle import LifecycleController
 from lifecycle.demo import DemoPipeline
 from tests.models.zoo import CASES, build_deep
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 
 def _layout(module: nn.Module) -> list[tuple[str, int, int, int]]:

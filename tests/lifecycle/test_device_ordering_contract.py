@@ -18,7 +18,7 @@ from lifecycle.demo import DemoPipeline
 from strategies import CopyHandle, CpuDevice
 from strategies._device import CopyPair, Tier
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 
 class RecordingDevice(CpuDevice):

@@ -1,8 +1,8 @@
-"""Transactions: injected faults at every copy and allocation, cancellation, concurrency."""
+"""Transactions: injected faults at every copy and allocation, concurrency (cancellation:
+test_cancellation.py; the events of a rollback: test_logging.py)."""
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Awaitable, Callable
 
@@ -111,63 +111,6 @@ async def test_fault_at_every_point_rolls_back_exactly_and_retry_succeeds(
         for name in ctl.stale:  # discarded: the trainer's weights come back by an update
             assert (await ctl.update_weights_from_tensors(states[id(pipe)][name], name)).success
         assert fingerprints(pipe) == BUILT
-
-
-async def test_failed_transition_logs_a_rolled_back_event(caplog: pytest.LogCaptureFixture) -> None:
-    """A rollback is visible as one structured event with the cause."""
-    layer = FaultyDevice()
-    ctl, _ = await start([], layer)
-    layer.arm(copy_at=2)
-    caplog.clear()  # only what the sleep logs
-    with caplog.at_level(logging.DEBUG, logger="lifecycle"), pytest.raises(TransitionFailed):
-        await ctl.sleep()
-    logs = [r.msg for r in caplog.records if isinstance(r.msg, dict)]
-    events = [e for e in logs if e["event"] == "transition.rolled_back"]
-    assert len(events) == 1
-    assert events[0]["trigger"] == "sleep"
-    assert events[0]["transition"] == "sleep"
-    assert events[0]["error"].startswith("InjectedFault: injected copy failure")
-
-
-async def test_committed_transition_logs_one_summary_event(caplog: pytest.LogCaptureFixture) -> None:
-    """Each committed transition emits one summary with trigger, phases, bytes, seconds, rank."""
-    ctl = LifecycleController("cpu", rank=3)
-    await ctl.attach(small_pipeline())
-    caplog.clear()  # only what the sleep logs
-    with caplog.at_level(logging.DEBUG, logger="lifecycle"):
-        await ctl.sleep()
-    logs = [r.msg for r in caplog.records if isinstance(r.msg, dict)]
-    summaries = [e for e in logs if e["event"] == "transition.committed"]
-    assert len(summaries) == 1
-    s = summaries[0]
-    assert (s["trigger"], s["source"], s["dest"], s["outcome"], s["rank"]) == (
-        "sleep", "awake", "sleeping", "committed", 3)
-    assert s["bytes"] > 0 and s["released"] > 0 and s["seconds"] >= 0 and "gbps" in s
-    moves = [e for e in logs if e["event"] == "move.prepared"]
-    assert {e["component"] for e in moves} == {"text_encoder", "transformer", "vae"}
-    assert all(e["transition_id"] == s["transition_id"] for e in moves)
-
-
-@pytest.mark.parametrize("target", ["sleep", "wake"])
-async def test_cancellation_at_any_moment_leaves_a_true_phase(target: str) -> None:
-    """Cancelled after t ms, a transition has either committed or rolled back: the phase
-    matches the placement, the bytes are intact, and a retry succeeds."""
-    for delay_ms in (0, 1, 3, 7, 15, 40):
-        layer = FaultyDevice(copy_delay=0.001)
-        ctl, pipe = await start([sleep_, wake_] if target == "sleep" else [sleep_], layer)
-        sums = fingerprints(pipe)
-        with anyio.move_on_after(delay_ms / 1000):
-            await (ctl.sleep() if target == "sleep" else ctl.wake())
-        report = ctl.report()
-        if ctl.phase is Phase.SLEEPING:
-            assert report.device_bytes == 0
-        else:
-            assert ctl.phase is Phase.AWAKE
-            assert report.device_bytes == sum(c.total_bytes for c in report.components.values())
-        assert ctl.transition is None
-        await ctl.sleep()
-        await ctl.wake()
-        assert fingerprints(pipe) == sums
 
 
 class OverlapDetector(FaultyDevice):

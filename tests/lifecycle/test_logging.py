@@ -1,5 +1,7 @@
 """The library's events go through stdlib logging: silent unless the host application
-configures logging, complete when it does, and independent of structlog's configuration."""
+configures logging, complete when it does (a summary per committed transition, a warning per
+rollback), and independent of structlog's configuration; configure_logging (JSON lines for
+machines, no locals in tracebacks); the event sinks and lifecycle.testing.capture_events."""
 
 from __future__ import annotations
 
@@ -9,14 +11,16 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 
+import lifecycle
 from lifecycle import LifecycleController, TransitionFailed, configure_logging
 from lifecycle import _events as events
-from lifecycle.testing import FaultyDevice
+from lifecycle.testing import FaultyDevice, capture_events
 from tests.helpers import small_pipeline
 
 pytestmark = pytest.mark.anyio
@@ -127,7 +131,11 @@ async def test_stdlib_handler_at_debug_receives_every_event_with_its_keys() -> N
     committed = _events_of(records, events.TRANSITION_COMMITTED)
     assert [r.msg["trigger"] for r in committed] == ["attach", "sleep", "wake", "detach"]  # type: ignore[index]
     assert all(r.levelno == logging.INFO and r.name == "lifecycle" for r in committed)
-    assert {r.filename for r in committed} == {"_controller.py"}  # the caller, not structlog
+    # each record's location is the library code that emitted the event, not structlog's
+    # nor the logging plumbing's (lifecycle._events)
+    library = Path(lifecycle.__file__).parent
+    assert all(Path(r.pathname).is_relative_to(library) and r.pathname != events.__file__
+               for r in committed), {r.pathname for r in committed}
     sleep = committed[1].msg
     assert isinstance(sleep, dict)
     assert (sleep["source"], sleep["dest"], sleep["rank"], sleep["transition"]) == (
@@ -285,7 +293,8 @@ def test_every_event_name_is_a_constant() -> None:
 
 def test_event_sinks_see_every_event_whatever_the_level_and_can_be_removed() -> None:
     """A sink gets the event dict (name, fields, bound context) even when logging drops it;
-    a failing sink breaks nothing; after removal it gets nothing."""
+    a failing sink breaks nothing; after removal it gets nothing. (The sink mechanism itself,
+    under lifecycle.testing.capture_events and the metrics: hence the private add_event_sink.)"""
     seen: list[dict[str, object]] = []
 
     def broken(event: object) -> None:
@@ -303,3 +312,93 @@ def test_event_sinks_see_every_event_whatever_the_level_and_can_be_removed() -> 
         remove_broken()
     events.get_logger("lifecycle").debug(events.MOVE_PREPARED, component="dit")
     assert len(seen) == 1
+
+
+async def test_capture_events_collects_every_event_of_the_block_and_stops_after_it() -> None:
+    """lifecycle.testing.capture_events yields the list of the event dicts emitted while the
+    block runs (debug ones too, with the bound context), and stops collecting when the block
+    ends, also when it ends with an error."""
+    ctl = LifecycleController("cpu")
+    await ctl.attach(small_pipeline())
+    with capture_events() as seen:
+        await ctl.sleep()
+    names = [e["event"] for e in seen]
+    assert names.count(events.TRANSITION_COMMITTED) == 1 and events.MOVE_PREPARED in names
+    assert all(e["transition"] == "sleep" and "transition_id" in e for e in seen)
+    await ctl.wake()
+    assert len(seen) == len(names)  # nothing after the block
+    with pytest.raises(RuntimeError, match="inside"), capture_events() as failed:
+        events.get_logger("lifecycle").debug(events.MOVE_PREPARED, component="vae")
+        raise RuntimeError("inside")
+    await ctl.aclose()
+    assert failed == [{"event": events.MOVE_PREPARED, "component": "vae"}]
+
+
+def test_importing_the_library_keeps_structlogs_defaults() -> None:
+    """A fresh interpreter importing lifecycle keeps structlog's defaults."""
+    code = ("import structlog; before = structlog.get_config()['processors'];"
+            "import lifecycle, strategies;"
+            "assert structlog.get_config()['processors'] == before; print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr
+
+
+async def test_json_logging_emits_one_object_per_event(capsys: pytest.CaptureFixture[str]) -> None:
+    """With json=True each event is one JSON line with level, timestamp and fields."""
+    configure_logging(json=True, level="info")
+    ctl = LifecycleController("cpu", rank=1)
+    await ctl.attach(small_pipeline())
+    await ctl.sleep()
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
+    summaries = [e for e in lines if e["event"] == "transition.committed"]
+    assert [e["trigger"] for e in summaries] == ["attach", "sleep"]
+    assert all(e["level"] == "info" and "timestamp" in e and e["rank"] == 1 for e in summaries)
+    assert not [e for e in lines if e["event"] == "move.prepared"]  # debug, filtered out
+
+
+def test_exception_logs_never_render_local_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    """A logged exception shows frames but not locals (a local may hold a freed tensor)."""
+    configure_logging(json=True, level="info")
+    secret = "local-value-that-must-not-appear"  # noqa: F841
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        structlog.get_logger("t").exception("failed")
+    out = capsys.readouterr().err
+    assert "boom" in out and "local-value-that-must-not-appear" not in out
+
+
+async def test_failed_transition_logs_a_rolled_back_event(caplog: pytest.LogCaptureFixture) -> None:
+    """A rollback is visible as one structured event with the cause."""
+    layer = FaultyDevice()
+    ctl = LifecycleController(device_layer=layer)
+    await ctl.attach(small_pipeline())
+    layer.arm(copy_at=2)
+    caplog.clear()  # only what the sleep logs
+    with caplog.at_level(logging.DEBUG, logger="lifecycle"), pytest.raises(TransitionFailed):
+        await ctl.sleep()
+    logs = [r.msg for r in caplog.records if isinstance(r.msg, dict)]
+    events = [e for e in logs if e["event"] == "transition.rolled_back"]
+    assert len(events) == 1
+    assert events[0]["trigger"] == "sleep"
+    assert events[0]["transition"] == "sleep"
+    assert events[0]["error"].startswith("InjectedFault: injected copy failure")
+
+
+async def test_committed_transition_logs_one_summary_event(caplog: pytest.LogCaptureFixture) -> None:
+    """Each committed transition emits one summary with trigger, phases, bytes, seconds, rank."""
+    ctl = LifecycleController("cpu", rank=3)
+    await ctl.attach(small_pipeline())
+    caplog.clear()  # only what the sleep logs
+    with caplog.at_level(logging.DEBUG, logger="lifecycle"):
+        await ctl.sleep()
+    logs = [r.msg for r in caplog.records if isinstance(r.msg, dict)]
+    summaries = [e for e in logs if e["event"] == "transition.committed"]
+    assert len(summaries) == 1
+    s = summaries[0]
+    assert (s["trigger"], s["source"], s["dest"], s["outcome"], s["rank"]) == (
+        "sleep", "awake", "sleeping", "committed", 3)
+    assert s["bytes"] > 0 and s["released"] > 0 and s["seconds"] >= 0 and "gbps" in s
+    moves = [e for e in logs if e["event"] == "move.prepared"]
+    assert {e["component"] for e in moves} == {"text_encoder", "transformer", "vae"}
+    assert all(e["transition_id"] == s["transition_id"] for e in moves)

@@ -58,21 +58,20 @@ async def test_a_merge_equals_the_plain_fp32_computation(dtype: torch.dtype) -> 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(dtype)
     bases = [weight(module, 0).detach().clone(), weight(module, 2).detach().clone()]
-    ctl = LifecycleController("cpu")
-    await ctl.attach({"transformer": module})
-    named = adapter("0", 4, 32, 16, seed=1, peft=True) | adapter("2", 4, 16, 32, seed=2)
-    result = await merge(ctl, named, lora_alpha=8.0, lora_rank=4, weight_version="step-1")
-    assert (result.success, result.version, result.weight_version) == (True, 1, "step-1")
-    a0, b0, a2, b2 = named.values()
-    assert torch.equal(weight(module, 0), plain_merge(bases[0], a0, b0, 8.0, 4))
-    assert torch.equal(weight(module, 2), plain_merge(bases[1], a2, b2, 8.0, 4))
-    assert weight(module, 0).dtype == dtype
-    assert (await merge(ctl, named)).success  # no lora_alpha, no lora_rank: scale 1
-    assert torch.equal(weight(module, 0), plain_merge(bases[0], a0, b0, 4.0, 4))
-    report = ctl.report()
-    assert report.components["transformer"].lora_base_bytes == sum(b.nbytes for b in bases)
-    assert report.lora_base_bytes == sum(b.nbytes for b in bases)
-    await ctl.aclose()
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach({"transformer": module})
+        named = adapter("0", 4, 32, 16, seed=1, peft=True) | adapter("2", 4, 16, 32, seed=2)
+        result = await merge(ctl, named, lora_alpha=8.0, lora_rank=4, weight_version="step-1")
+        assert (result.success, result.version, result.weight_version) == (True, 1, "step-1")
+        a0, b0, a2, b2 = named.values()
+        assert torch.equal(weight(module, 0), plain_merge(bases[0], a0, b0, 8.0, 4))
+        assert torch.equal(weight(module, 2), plain_merge(bases[1], a2, b2, 8.0, 4))
+        assert weight(module, 0).dtype == dtype
+        assert (await merge(ctl, named)).success  # no lora_alpha, no lora_rank: scale 1
+        assert torch.equal(weight(module, 0), plain_merge(bases[0], a0, b0, 4.0, 4))
+        report = ctl.report()
+        assert report.components["transformer"].lora_base_bytes == sum(b.nbytes for b in bases)
+        assert report.lora_base_bytes == sum(b.nbytes for b in bases)
 
 
 async def test_two_hundred_random_merges_then_a_zero_adapter_give_the_base_back_bit_for_bit(
@@ -84,41 +83,39 @@ async def test_two_hundred_random_merges_then_a_zero_adapter_give_the_base_back_
     with torch.no_grad():
         weight(pipe["transformer"], 0)[0, :3] = torch.tensor([-0.0, 0.0, 1e-30])
     base = bits(weight(pipe["transformer"], 0))
-    ctl = LifecycleController("cpu", residency="transformer=component-offload")
-    await ctl.attach(pipe)
-    drifting = weight(pipe["transformer"], 0).detach().clone()
-    for step in range(200):
-        named = adapter("0", 2, 32, 16, seed=step)
-        named = {k: v * 1e-3 for k, v in named.items()}
-        assert (await merge(ctl, named, lora_alpha=2.0, weight_version=str(step))).success
-        a, b = named.values()
-        drifting = plain_merge(drifting, a, b, 2.0, 2)
-    zero = {"0.lora_A.weight": torch.zeros(2, 16), "0.lora_B.weight": torch.randn(32, 2)}
-    assert (await merge(ctl, zero)).success
-    assert torch.equal(bits(weight(pipe["transformer"], 0)), base)
-    assert not torch.equal(bits(drifting), base)
-    assert (ctl.weights_version, ctl.weight_version_label) == (201, "199")
-    await ctl.aclose()
+    async with LifecycleController("cpu", residency="transformer=component-offload") as ctl:
+        await ctl.attach(pipe)
+        drifting = weight(pipe["transformer"], 0).detach().clone()
+        for step in range(200):
+            named = adapter("0", 2, 32, 16, seed=step)
+            named = {k: v * 1e-3 for k, v in named.items()}
+            assert (await merge(ctl, named, lora_alpha=2.0, weight_version=str(step))).success
+            a, b = named.values()
+            drifting = plain_merge(drifting, a, b, 2.0, 2)
+        zero = {"0.lora_A.weight": torch.zeros(2, 16), "0.lora_B.weight": torch.randn(32, 2)}
+        assert (await merge(ctl, zero)).success
+        assert torch.equal(bits(weight(pipe["transformer"], 0)), base)
+        assert not torch.equal(bits(drifting), base)
+        assert (ctl.weights_version, ctl.weight_version_label) == (201, "199")
 
 
 async def test_a_full_update_replaces_the_base_and_the_next_merge_uses_it() -> None:
     """After a merge, a full-weight update of the same linear (tensors, then disk) makes the
     written weight the new base: a zero adapter gives it back, an adapter adds to it."""
     pipe = small_pipeline()
-    ctl = LifecycleController("cpu")
-    await ctl.attach(pipe)
-    named = adapter("0", 4, 32, 16, seed=3)
-    assert (await merge(ctl, named)).success
-    new = torch.randn(32, 16)
-    assert (await ctl.update_weights_from_tensors({"0.weight": new}, "transformer")).success
-    assert torch.equal(weight(pipe["transformer"], 0), new)
-    zero = {"0.lora_A.weight": torch.zeros(4, 16), "0.lora_B.weight": torch.ones(32, 4)}
-    assert (await merge(ctl, zero)).success
-    assert torch.equal(weight(pipe["transformer"], 0), new)
-    assert (await merge(ctl, named)).success
-    a, b = named.values()
-    assert torch.equal(weight(pipe["transformer"], 0), plain_merge(new, a, b, 4.0, 4))
-    await ctl.aclose()
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(pipe)
+        named = adapter("0", 4, 32, 16, seed=3)
+        assert (await merge(ctl, named)).success
+        new = torch.randn(32, 16)
+        assert (await ctl.update_weights_from_tensors({"0.weight": new}, "transformer")).success
+        assert torch.equal(weight(pipe["transformer"], 0), new)
+        zero = {"0.lora_A.weight": torch.zeros(4, 16), "0.lora_B.weight": torch.ones(32, 4)}
+        assert (await merge(ctl, zero)).success
+        assert torch.equal(weight(pipe["transformer"], 0), new)
+        assert (await merge(ctl, named)).success
+        a, b = named.values()
+        assert torch.equal(weight(pipe["transformer"], 0), plain_merge(new, a, b, 4.0, 4))
 
 
 def refusals() -> list[tuple[dict[str, torch.Tensor], dict[str, Any], str]]:
@@ -153,43 +150,41 @@ def refusals() -> list[tuple[dict[str, torch.Tensor], dict[str, Any], str]]:
 async def test_lora_refusals_name_the_fault_and_change_nothing() -> None:
     """Each faulty LoRA payload is refused whole before anything changes (weights, bases,
     version, label), with a message naming the fault and what is valid."""
-    ctl = LifecycleController("cpu")
-    await ctl.attach(small_pipeline())
-    assert (await merge(ctl, adapter("2", 4, 16, 32, seed=6), weight_version="kept")).success
-    sums = ctl.weights_checksum(algorithm="full")
-    kept = ctl.report().lora_base_bytes
-    for named, kwargs, message in refusals():
-        result = await merge(ctl, named, **kwargs)
-        assert (result.success, result.rolled_back) == (False, False)
-        assert result.message.startswith(message), (result.message, message)
-        assert result.message.endswith("nothing was updated")
-        assert (ctl.weights_version, ctl.weight_version_label) == (1, "kept")
-        assert result.weight_version == "kept"
-        assert ctl.weights_checksum(algorithm="full") == sums
-        assert ctl.report().lora_base_bytes == kept
-    await ctl.aclose()
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(small_pipeline())
+        assert (await merge(ctl, adapter("2", 4, 16, 32, seed=6), weight_version="kept")).success
+        sums = ctl.weights_checksum(algorithm="full")
+        kept = ctl.report().lora_base_bytes
+        for named, kwargs, message in refusals():
+            result = await merge(ctl, named, **kwargs)
+            assert (result.success, result.rolled_back) == (False, False)
+            assert result.message.startswith(message), (result.message, message)
+            assert result.message.endswith("nothing was updated")
+            assert (ctl.weights_version, ctl.weight_version_label) == (1, "kept")
+            assert result.weight_version == "kept"
+            assert ctl.weights_checksum(algorithm="full") == sums
+            assert ctl.report().lora_base_bytes == kept
 
 
 async def test_malformed_lora_arguments_are_typed_errors() -> None:
     """A bad mode, rank, alpha or version label raises InvalidRequest naming the field."""
-    ctl = LifecycleController("cpu")
-    await ctl.attach(small_pipeline())
-    named = adapter("0", 4, 32, 16, seed=7)
-    cases: list[tuple[dict[str, Any], str, str]] = [
-        ({"weight_update_mode": "merge"}, "weight_update_mode",
-         "weight_update_mode must be one of ['full', 'lora_merge'], got 'merge'"),
-        ({"weight_update_mode": "lora_merge", "lora_rank": 0}, "lora_rank",
-         "lora_rank must be an integer >= 1, got 0"),
-        ({"weight_update_mode": "lora_merge", "lora_alpha": math.nan}, "lora_alpha",
-         "lora_alpha must be a finite number, got nan"),
-        ({"weight_version": 3}, "weight_version", "weight_version must be a string, got int"),
-    ]
-    for kwargs, field, message in cases:
-        with pytest.raises(InvalidRequest) as info:
-            await ctl.update_weights_from_tensors(named, "transformer", **kwargs)
-        assert (info.value.field, str(info.value)) == (field, message)
-    assert ctl.weights_version == 0
-    await ctl.aclose()
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(small_pipeline())
+        named = adapter("0", 4, 32, 16, seed=7)
+        cases: list[tuple[dict[str, Any], str, str]] = [
+            ({"weight_update_mode": "merge"}, "weight_update_mode",
+             "weight_update_mode must be one of ['full', 'lora_merge'], got 'merge'"),
+            ({"weight_update_mode": "lora_merge", "lora_rank": 0}, "lora_rank",
+             "lora_rank must be an integer >= 1, got 0"),
+            ({"weight_update_mode": "lora_merge", "lora_alpha": math.nan}, "lora_alpha",
+             "lora_alpha must be a finite number, got nan"),
+            ({"weight_version": 3}, "weight_version", "weight_version must be a string, got int"),
+        ]
+        for kwargs, field, message in cases:
+            with pytest.raises(InvalidRequest) as info:
+                await ctl.update_weights_from_tensors(named, "transformer", **kwargs)
+            assert (info.value.field, str(info.value)) == (field, message)
+        assert ctl.weights_version == 0
 
 
 @pytest.mark.parametrize("mode", ["resident", "component-offload"])
@@ -231,16 +226,15 @@ async def test_a_fault_at_every_copy_and_allocation_of_a_merge_rolls_back_weight
 
 async def test_bases_are_forgotten_at_detach() -> None:
     """Detach forgets the kept bases: the pipeline attached next starts from its own."""
-    ctl = LifecycleController("cpu")
-    await ctl.attach(small_pipeline())
-    assert (await merge(ctl, adapter("0", 4, 32, 16, seed=10))).success
-    assert ctl.report().lora_base_bytes == 32 * 16 * 4
-    await ctl.detach()
-    other = small_pipeline(seed=1)
-    base = weight(other["transformer"], 0).detach().clone()
-    await ctl.attach(other)
-    assert ctl.report().lora_base_bytes == 0
-    zero = {"0.lora_A.weight": torch.zeros(4, 16), "0.lora_B.weight": torch.ones(32, 4)}
-    assert (await merge(ctl, zero)).success
-    assert torch.equal(weight(other["transformer"], 0), base)
-    await ctl.aclose()
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(small_pipeline())
+        assert (await merge(ctl, adapter("0", 4, 32, 16, seed=10))).success
+        assert ctl.report().lora_base_bytes == 32 * 16 * 4
+        await ctl.detach()
+        other = small_pipeline(seed=1)
+        base = weight(other["transformer"], 0).detach().clone()
+        await ctl.attach(other)
+        assert ctl.report().lora_base_bytes == 0
+        zero = {"0.lora_A.weight": torch.zeros(4, 16), "0.lora_B.weight": torch.ones(32, 4)}
+        assert (await merge(ctl, zero)).success
+        assert torch.equal(weight(other["transformer"], 0), base)

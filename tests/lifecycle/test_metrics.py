@@ -24,7 +24,7 @@ from lifecycle.metrics import ControllerMetrics
 from lifecycle.testing import FaultyDevice
 from tests.helpers import small_pipeline
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 Key = tuple[str, ...]
 

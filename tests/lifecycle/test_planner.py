@@ -24,7 +24,7 @@ from lifecycle._planner import (
 from lifecycle.demo import DemoPipeline
 from strategies import ResidencyMode
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 SIZE = 4 * 2**20
 

@@ -10,7 +10,7 @@ from lifecycle import LifecycleController, Phase
 from lifecycle.testing import FaultyDevice
 from tests.helpers import fingerprints, layer, run_pipeline, small_pipeline, tensor_ids, tied_lm
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 
 def total_bytes(pipe: dict[str, nn.Module]) -> int:

@@ -37,6 +37,8 @@ from lifecycle import (
 from lifecycle.testing import FaultyDevice
 from tests.helpers import fingerprints, small_pipeline
 
+pytestmark = pytest.mark.moves
+
 settings.register_profile("ci", max_examples=25, stateful_step_count=15, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("deep", max_examples=2000, stateful_step_count=40, deadline=None,

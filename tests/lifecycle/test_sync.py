@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 import threading
 import time
@@ -13,9 +14,14 @@ import pytest
 import torch
 
 from lifecycle import ComponentAsleep, LifecycleController, Phase, TransitionFailed
+from lifecycle._checksum import tensor_sha256
+from lifecycle._planner import ResidencyPlan
+from lifecycle._results import Computed
 from lifecycle._sync import SyncLifecycleController
 from lifecycle.testing import FaultyDevice
 from tests.helpers import fingerprints, run_pipeline, small_pipeline
+
+pytestmark = pytest.mark.moves
 
 Backend = Literal["asyncio", "trio"]
 BACKENDS = pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -249,3 +255,99 @@ def test_a_constructor_error_propagates_and_leaves_no_loop_thread(backend: Backe
     with pytest.raises(ValueError, match="residency mode"):
         SyncLifecycleController("cpu", residency="vae=no-such-mode", backend=backend)
     assert portal_threads() == before
+
+
+# LifecycleController's public names the facade does not have, and what it offers instead.
+# (``use`` and ``request`` are async context managers there; here they are plain ones, with
+# the same names and parameters, so they are not excluded.)
+NOT_IN_FACADE = {
+    "aclose",  # an async close: the facade's close() (or its with-block) detaches and stops the loop
+    # Blocking code has no event loop to keep serving: the facade's weights_checksum already
+    # hashes in the controller's worker thread under its lock (it is weights_checksum_async).
+    "weights_checksum_async",
+}
+# The facade's own: its lifetime, and the async controller underneath.
+FACADE_ONLY = {"close", "closed", "controller"}
+# Parameters taking a request: the controller's is an async callable run in its loop, the
+# facade's a blocking one (e.g. through the facade's own use()), run in a worker thread.
+BLOCKING_CALLABLES = {("plan", "warmup"), ("set_residency", "validate")}
+
+
+def public(cls: type) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
+def test_the_facade_has_every_public_name_of_the_controller_with_the_same_parameters() -> None:
+    """The facade's public names are the controller's but the excluded ones (plus its own);
+    properties stay properties, and every method takes the same parameters (names, kinds,
+    defaults, annotations; a request parameter takes a blocking callable instead)."""
+    assert public(SyncLifecycleController) - FACADE_ONLY == \
+        public(LifecycleController) - NOT_IN_FACADE
+    with SyncLifecycleController("cpu") as sctl:
+        for name in sorted(public(LifecycleController) - NOT_IN_FACADE):
+            theirs = inspect.getattr_static(LifecycleController, name)
+            ours = inspect.getattr_static(SyncLifecycleController, name)
+            if isinstance(theirs, property):
+                assert isinstance(ours, property | Computed), name
+                continue
+            expected = inspect.signature(getattr(sctl.controller, name)).parameters
+            got = dict(inspect.signature(getattr(sctl, name)).parameters)
+            for param in BLOCKING_CALLABLES:
+                if param[0] == name:
+                    got[param[1]] = got[param[1]].replace(
+                        annotation=expected[param[1]].annotation)
+            assert got == dict(expected), name
+
+
+def blocking_request(sctl: SyncLifecycleController, order: list[str]) -> None:
+    """One request through the facade's blocking use(): every component once."""
+    with sctl.request(order):
+        for name in order:
+            with sctl.use(name):
+                pass
+
+
+@BACKENDS
+def test_plan_with_a_blocking_warmup_then_set_residency_validates_it(backend: Backend) -> None:
+    """plan() runs a blocking warm-up (using the facade's own use() from a worker thread) and
+    set_residency() applies the plan and validates it with the same warm-up; the weights are
+    unchanged."""
+    pipe = small_pipeline()
+    order = list(pipe)
+    with SyncLifecycleController("cpu", backend=backend) as sctl:
+        sctl.attach(pipe)
+        before = sctl.weights_checksum()
+        plan = sctl.plan("90%", lambda: blocking_request(sctl, order))
+        assert isinstance(plan, ResidencyPlan)
+        measured = sctl.controller._measurer.measurements
+        assert measured is not None and measured.source == "warm-up"
+        assert [u.name for u in measured.uses] == order
+        change = sctl.set_residency(plan, latency_tolerance=100.0)
+        assert change.success and change.validated, change.message
+        assert sctl.controller.config == plan.config
+        assert sctl.weights_checksum() == before
+
+
+@BACKENDS
+def test_reset_peak_world_size_and_the_checksums_answer_through_the_facade(
+        backend: Backend) -> None:
+    """world_size reads 1 without a group; reset_peak starts the peak again from what is
+    held; the checksums across ranks and the per-tensor check answer as the controller's."""
+    pipe = small_pipeline()
+    with SyncLifecycleController("cpu", backend=backend) as sctl:
+        sctl.attach(pipe)
+        assert sctl.world_size == 1 and sctl.weight_update_groups == {}
+        sctl.sleep()
+        assert sctl.report().peak_device_bytes > 0
+        sctl.reset_peak()
+        assert sctl.report().peak_device_bytes == 0
+        sctl.wake()
+        across = sctl.weights_checksum_across_ranks(["transformer"])
+        assert across.agree and across.per_rank == {
+            "transformer": {0: sctl.weights_checksum(["transformer"])["transformer"]}}
+        state = pipe["transformer"].state_dict()
+        expected = {name: tensor_sha256(t) for name, t in state.items()}
+        assert sctl.check_tensor_hashes("transformer", expected).success
+        wrong = dict(expected, **{"0.bias": tensor_sha256(state["0.bias"] + 1)})
+        check = sctl.check_tensor_hashes("transformer", wrong)
+        assert not check.success and check.mismatched == ("0.bias",)

@@ -1,7 +1,9 @@
-"""Regressions from real models: a state dict with tied names updates, and two controllers
-in one task keep their requests apart."""
+"""Regressions from real models: a state dict with tied names updates, two controllers in one
+task keep their requests apart, and a weight_norm module's report adds up."""
 
 from __future__ import annotations
+
+import warnings
 
 import anyio
 import pytest
@@ -11,7 +13,7 @@ from torch import nn
 from lifecycle import LifecycleController
 from tests.helpers import fingerprints, small_pipeline
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 
 @pytest.mark.parametrize("mode", ["resident", "component-offload", "layerwise-offload"])
@@ -110,3 +112,33 @@ async def test_a_request_belongs_to_its_controller(same_names: bool, outer: str)
     assert a.in_flight == b.in_flight == 0
     assert prefetching(a) == prefetching(b) == []
     assert a.report().device_bytes == b.report().device_bytes == 0
+
+
+def normed_vocoder() -> nn.Sequential:
+    """weight_norm and spectral_norm layers (a vocoder's): their ``weight`` is recomputed from
+    the parameters before every forward, so it is held on the device but stored nowhere."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():  # (torch deprecates this weight_norm for another one)
+        warnings.simplefilter("ignore", FutureWarning)
+        conv = nn.utils.weight_norm(nn.Conv1d(16, 16, 3, padding=1))
+    return nn.Sequential(conv, nn.utils.spectral_norm(nn.Linear(16, 16)), nn.Linear(16, 8))
+
+
+@pytest.mark.parametrize("mode", ["resident", "component-offload"])
+async def test_a_placed_weight_norm_component_holds_its_total_and_asleep_its_stored_bytes(
+        mode: str) -> None:
+    """The recomputed weights count in the device bytes and in the total alike: a placed
+    component (resident and idle, or in a use) holds exactly its total; asleep, the host holds
+    the total less the recomputed weights (they are computed again, never copied)."""
+    derived = 16 * 16 * 3 * 4 + 16 * 16 * 4  # the conv's and the linear's float32 weights
+    async with LifecycleController("cpu", residency=f"vocoder={mode}") as ctl:
+        await ctl.attach({"vocoder": normed_vocoder()})
+        total = ctl.report().components["vocoder"].total_bytes
+        async with ctl.use("vocoder"):
+            assert ctl.report().components["vocoder"].device_bytes == total
+        if mode == "resident":
+            assert ctl.report().components["vocoder"].device_bytes == total
+        await ctl.sleep()
+        asleep = ctl.report().components["vocoder"]
+        assert (asleep.device_bytes, asleep.host_bytes, asleep.total_bytes) == (
+            0, total - derived, total)

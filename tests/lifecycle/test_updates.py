@@ -15,7 +15,7 @@ from lifecycle import LifecycleController, Phase, UpdateResult, WeightUpdateWhil
 from lifecycle.testing import FaultyDevice
 from tests.helpers import fingerprints, layer, run_pipeline, small_pipeline, tensor_ids
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 MODES = ["resident", "component-offload", "snapshot-offload", "layerwise-offload"]
 
@@ -380,23 +380,6 @@ async def test_disk_update_reads_exact_tensors_in_place_and_loads_only_casts(
     state[cast_name] = state[cast_name].float()
     assert ctl.weights_checksum(["text_encoder"]) == {
         "text_encoder": (await expected_sums(pipe, {"text_encoder": state}))["text_encoder"]}
-
-
-async def test_cancelled_update_rolls_back_and_leaves_phase_awake() -> None:
-    """An update cancelled at any moment leaves the old weights and phase AWAKE."""
-    for delay_ms in (0, 1, 2, 5, 10, 30):
-        layer = FaultyDevice(copy_delay=0.0005)
-        ctl, pipe = await attached("resident", layer)
-        sums = ctl.weights_checksum()
-        state = new_state(pipe["text_encoder"])
-        state.pop("head.weight")
-        with anyio.move_on_after(delay_ms / 1000) as scope:
-            result = await ctl.update_weights_from_tensors(state, "text_encoder")
-        assert ctl.phase is Phase.AWAKE and ctl.transition is None
-        if scope.cancelled_caught:
-            assert ctl.weights_checksum() == sums and ctl.weights_version == 0
-        else:
-            assert result.success and ctl.weights_version == 1
 
 
 async def test_update_waits_for_in_flight_uses_and_new_uses_wait_for_it() -> None:

@@ -16,7 +16,7 @@ from strategies import layerwise_blocks
 from tests.helpers import device_tier_storages
 from tests.models.zoo import flux_call_kwargs, tiny_flux_pipeline
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 RESIDENCY = {
     "resident": "",

@@ -10,7 +10,7 @@ import torch
 from lifecycle import InfeasibleBudget, LifecycleController
 from tests.models.zoo import CASES, build_deep
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 
 async def test_real_models_fit_every_budget_with_identical_outputs() -> None:

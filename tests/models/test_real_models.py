@@ -19,9 +19,9 @@ from lifecycle import ComponentAsleep, LifecycleController, Phase
 from strategies import LayerwiseOffloadStrategy, ResidencyConfig, layerwise_blocks
 from tests.helpers import device_tier_storages
 from tests.models.zoo import CASES, ModelCase
-from tests.strategies.test_strategies import TrackingDevice
+from tests.strategies.strategy_suite import TrackingDevice
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 NAME = "model"  # the component name every case is attached under
 

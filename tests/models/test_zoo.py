@@ -8,6 +8,8 @@ from torch import nn
 
 from tests.models.zoo import CASES, ModelCase, flux_call_kwargs, plain_tensor_attributes, tiny_flux_pipeline
 
+pytestmark = pytest.mark.moves
+
 cases = pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
 
 

@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-import strategies.testing
+from lifecycle.testing import FaultInjection, faulty_device_layer
 from strategies import DeviceLayer, make_device_layer
-from strategies.testing import FaultInjection
 
 
 @pytest.fixture
@@ -27,8 +26,7 @@ def faulty() -> Iterator[Callable[..., FaultInjection]]:
     made: list[FaultInjection] = []
 
     def make(**faults: Any) -> FaultInjection:
-        # Looked up at each call: the checking passes put their own layer under this name.
-        made.append(strategies.testing.FaultyDevice(**faults))
+        made.append(faulty_device_layer("cpu", **faults))  # the checking passes' own
         return made[-1]
 
     yield make

@@ -17,9 +17,9 @@ from strategies import (
     enable_layerwise_offload,
     layerwise_blocks,
 )
-from tests.strategies.test_strategies import DIM, Block, TrackingDevice, x_in
+from tests.strategies.strategy_suite import DIM, Block, TrackingDevice, x_in
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 
 class Wide(nn.Module):

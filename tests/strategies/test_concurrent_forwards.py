@@ -15,9 +15,9 @@ import torch
 from lifecycle import LifecycleController
 from lifecycle.testing import FaultyDevice
 from strategies import LayerwiseOffloadStrategy, ResidencyConfig
-from tests.strategies.test_strategies import NONLAYER_BYTES, DiT, x_in
+from tests.strategies.strategy_suite import NONLAYER_BYTES, DiT, x_in
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 TASKS, ROUNDS, LAYERS = 4, 20, 8
 

@@ -20,6 +20,8 @@ from strategies._config import (
     group_of,
 )
 
+pytestmark = pytest.mark.moves
+
 MODES = "component-offload, layerwise-offload, resident, snapshot-offload"
 GROUPS = "groups: all, dit, image_encoder, text_encoder, vae"
 EXPECTED_MODES = {

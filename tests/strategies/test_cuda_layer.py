@@ -24,10 +24,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lifecycle import ComponentBusy, LifecycleController, Phase, UnsupportedCompute
+from lifecycle.testing import FaultyDevice, SimCuda, check_cuda_sim, sim_cuda_layer
 from strategies import CudaDevice, LayerwiseOffloadStrategy, ResidencyConfig
-from strategies.testing import FaultyDevice, SimCuda, check_cuda_sim, sim_cuda_layer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
@@ -84,17 +84,16 @@ async def test_updates_from_host_tensors_of_every_dtype_and_layout_are_exact(
     module = Typed(dtype)
     layer = sim_cuda_layer()
     layer.stage_bytes = 16  # several chunks per tensor, both staging buffers in turn
-    ctl = LifecycleController(device_layer=layer, residency=f"typed={mode}")
-    await ctl.attach({"typed": module})
-    new = new_values(dtype)
-    result = await ctl.update_weights_from_tensors(new, "typed")
-    assert result.success, result.message
-    assert_written(module, new)
-    await ctl.sleep()
-    await ctl.wake()
-    async with ctl.use("typed"):
+    async with LifecycleController(device_layer=layer, residency=f"typed={mode}") as ctl:
+        await ctl.attach({"typed": module})
+        new = new_values(dtype)
+        result = await ctl.update_weights_from_tensors(new, "typed")
+        assert result.success, result.message
         assert_written(module, new)
-    await ctl.aclose()
+        await ctl.sleep()
+        await ctl.wake()
+        async with ctl.use("typed"):
+            assert_written(module, new)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)
@@ -103,15 +102,14 @@ async def test_updates_from_disk_of_every_layout_are_exact(dtype: torch.dtype,
     """An update from a safetensors checkpoint (loaded on the host) writes 0-d, 1-d, 2-d and
     strided targets exactly on the CUDA layer."""
     module = Typed(dtype)
-    ctl = LifecycleController(device_layer=sim_cuda_layer())
-    await ctl.attach({"typed": module})
-    new = {k: v.to(dtype).contiguous() for k, v in new_values(dtype).items()}
-    (tmp_path / "typed").mkdir()
-    save_file(new, str(tmp_path / "typed" / "model.safetensors"))
-    result = await ctl.update_weights_from_disk(tmp_path)
-    assert result.success, result.message
-    assert_written(module, new)
-    await ctl.aclose()
+    async with LifecycleController(device_layer=sim_cuda_layer()) as ctl:
+        await ctl.attach({"typed": module})
+        new = {k: v.to(dtype).contiguous() for k, v in new_values(dtype).items()}
+        (tmp_path / "typed").mkdir()
+        save_file(new, str(tmp_path / "typed" / "model.safetensors"))
+        result = await ctl.update_weights_from_disk(tmp_path)
+        assert result.success, result.message
+        assert_written(module, new)
 
 
 # -- layerwise: reserved memory --------------------------------------------------------
@@ -243,7 +241,7 @@ def test_mirrors_stay_mapped_at_interpreter_exit(tmp_path: Path) -> None:
         import anyio, torch
         from torch import nn
         from lifecycle import LifecycleController
-        from strategies.testing import sim_cuda_layer
+        from lifecycle.testing import sim_cuda_layer
         lin = nn.Linear(64, 64)
         torch.nn.init.constant_(lin.weight, 1.0)
         ctl = LifecycleController(device_layer=sim_cuda_layer(), residency="net=component-offload")
@@ -321,34 +319,33 @@ async def test_a_layerwise_forward_outside_use_during_an_update_is_refused() -> 
     for block in expected.blocks:
         assert isinstance(block, Block)
         block.fc1.bias.data.fill_(0.5)
-    ctl = LifecycleController(device_layer=layer, residency=layerwise(1.0, 0.0))
-    await ctl.attach({"net": model})
-    new = {f"blocks.{i}.fc1.bias": torch.full((2 * DIM,), 0.5) for i in range(4)}
-    x = torch.randn(2, DIM)
-    refused: list[BaseException] = []
+    async with LifecycleController(device_layer=layer, residency=layerwise(1.0, 0.0)) as ctl:
+        await ctl.attach({"net": model})
+        new = {f"blocks.{i}.fc1.bias": torch.full((2 * DIM,), 0.5) for i in range(4)}
+        x = torch.randn(2, DIM)
+        refused: list[BaseException] = []
 
-    async def update() -> None:
-        result = await ctl.update_weights_from_tensors(new, "net")
-        assert result.success, result.message
+        async def update() -> None:
+            result = await ctl.update_weights_from_tensors(new, "net")
+            assert result.success, result.message
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(update)
-        while ctl.phase is not Phase.UPDATING_WEIGHTS:
-            await anyio.sleep(0.001)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(update)
+            while ctl.phase is not Phase.UPDATING_WEIGHTS:
+                await anyio.sleep(0.001)
 
-        def forward() -> None:
-            try:
-                with torch.no_grad():
-                    model(x)
-            except ComponentBusy as exc:
-                refused.append(exc)
+            def forward() -> None:
+                try:
+                    with torch.no_grad():
+                        model(x)
+                except ComponentBusy as exc:
+                    refused.append(exc)
 
-        await anyio.to_thread.run_sync(forward)
-    assert len(refused) == 1 and "'net'" in str(refused[0])
-    with torch.no_grad():
-        async with ctl.use("net"):
-            assert torch.equal(model(x), expected(x))
-    await ctl.aclose()
+            await anyio.to_thread.run_sync(forward)
+        assert len(refused) == 1 and "'net'" in str(refused[0])
+        with torch.no_grad():
+            async with ctl.use("net"):
+                assert torch.equal(model(x), expected(x))
 
 
 async def test_forwards_on_a_user_stream_or_under_capture_are_refused_at_any_submodule() -> None:
@@ -359,20 +356,19 @@ async def test_forwards_on_a_user_stream_or_under_capture_are_refused_at_any_sub
     gpu = layer.runtime
     assert isinstance(gpu, SimCuda)
     module = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
-    ctl = LifecycleController(device_layer=layer, residency="net=component-offload")
-    await ctl.attach({"net": module})
-    x = torch.randn(2, 8)
-    with torch.no_grad():
-        async with ctl.use("net"):
-            with gpu.use_stream(gpu.new_stream()):
-                with pytest.raises(UnsupportedCompute, match="non-default CUDA stream"):
-                    module[2](x)
-                with pytest.raises(UnsupportedCompute, match="non-default CUDA stream"):
+    async with LifecycleController(device_layer=layer, residency="net=component-offload") as ctl:
+        await ctl.attach({"net": module})
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            async with ctl.use("net"):
+                with gpu.use_stream(gpu.new_stream()):
+                    with pytest.raises(UnsupportedCompute, match="non-default CUDA stream"):
+                        module[2](x)
+                    with pytest.raises(UnsupportedCompute, match="non-default CUDA stream"):
+                        module(x)
+                with gpu.capture(), pytest.raises(UnsupportedCompute, match="graph capture"):
                     module(x)
-            with gpu.capture(), pytest.raises(UnsupportedCompute, match="graph capture"):
                 module(x)
-            module(x)
-    await ctl.aclose()
 
 
 def test_copy_streams_are_the_layers_own_at_the_lowest_priority() -> None:

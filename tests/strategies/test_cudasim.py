@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from strategies.testing import POISON, CudaSimViolation, SimCuda, check_cuda_sim
+from lifecycle.testing import POISON, CudaSimViolation, SimCuda, check_cuda_sim
+
+pytestmark = pytest.mark.moves
 
 MiB = 2**20
 

@@ -11,7 +11,7 @@ from strategies import make_device_layer
 from strategies._discard import prepare_discard, prepare_undiscard
 from strategies.protocol import TensorStore, WriteSource
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 
 class WithExtras(nn.Module):

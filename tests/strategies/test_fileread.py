@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from strategies._fileread import FileRegion, _lanes, read_regions, safetensors_regions
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 
 def test_lanes_cover_every_byte_once_and_stay_balanced(monkeypatch: pytest.MonkeyPatch

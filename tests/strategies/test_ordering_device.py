@@ -24,7 +24,7 @@ from lifecycle.testing import (
     check_ordering,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 N = 64  # bytes per test buffer (16 float32)
 
@@ -351,22 +351,23 @@ def test_the_option_puts_controllers_that_make_their_own_layer_on_the_ordering_l
 
 def test_the_environment_picks_the_layer_of_a_cpu_device(monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
-    """RESIDENCY_DEVICE_LAYER=ordering makes every CPU layer the library builds itself an
-    ordering layer, cuda-sim the CUDA layer over a simulated GPU (a program started by a test
-    runs its moves as CUDA orders them); 'cpu' or nothing gives the plain layer; anything
-    else is refused naming the valid values."""
-    import strategies.testing
+    """RESIDENCY_DEVICE_LAYER=ordering makes every CPU layer the library builds itself (and
+    lifecycle.testing's FaultyDevice) an ordering layer, cuda-sim the CUDA layer over a
+    simulated GPU (a program started by a test runs its moves as CUDA orders them); 'cpu' or
+    nothing gives the plain layer; anything else is refused naming the valid values."""
+    import lifecycle.testing
+    from lifecycle.testing import DEVICE_LAYER_ENV, FaultyCudaDevice, SimCuda, faulty_device_layer
     from strategies import CpuDevice, CudaDevice, make_device_layer
-    from strategies._layers import DEVICE_LAYER_ENV
-    from strategies.testing import FaultyCudaDevice, SimCuda, faulty_device_layer
 
     monkeypatch.setenv(DEVICE_LAYER_ENV, "ordering")
     assert type(make_device_layer("cpu")) is OrderingDevice
     assert isinstance(faulty_device_layer("cpu", fail_copy_at=3), OrderingFaultyDevice)
+    assert issubclass(lifecycle.testing.FaultyDevice, OrderingFaultyDevice)
     monkeypatch.setenv(DEVICE_LAYER_ENV, "cuda-sim")
     layer = make_device_layer("cpu")
     assert type(layer) is CudaDevice and isinstance(layer.runtime, SimCuda)
     assert isinstance(faulty_device_layer("cpu", fail_copy_at=3), FaultyCudaDevice)
+    assert issubclass(lifecycle.testing.FaultyDevice, FaultyCudaDevice)
     monkeypatch.setenv(DEVICE_LAYER_ENV, "cpu")
     assert type(make_device_layer("cpu")) is CpuDevice
     monkeypatch.delenv(DEVICE_LAYER_ENV)
@@ -375,5 +376,6 @@ def test_the_environment_picks_the_layer_of_a_cpu_device(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="'cpu', 'ordering', 'cuda-sim'"):
         make_device_layer("cpu")
     monkeypatch.delenv(DEVICE_LAYER_ENV)
-    # (the ordering pytest pass has replaced FaultyDevice itself: compare with what it is)
-    assert type(faulty_device_layer("cpu")) is strategies.testing.FaultyDevice
+    # FaultyDevice is looked up now: the plain one, whatever the pass imported
+    assert type(faulty_device_layer("cpu")) is lifecycle.testing.FaultyDevice
+    assert not issubclass(lifecycle.testing.FaultyDevice, (OrderingFaultyDevice, FaultyCudaDevice))

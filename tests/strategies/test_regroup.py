@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from lifecycle.testing import FaultInjection, InjectedFault
 from strategies import DeviceLayer, StoreError
 from strategies.protocol import (
     TensorStore,
@@ -21,10 +22,9 @@ from strategies.protocol import (
     prepare_restore,
     prepare_undiscard,
 )
-from strategies.testing import FaultInjection, InjectedFault
 from tests.helpers import TiedLM
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 LAYERS = ["blocks.0", "blocks.1", "blocks.2"]
 

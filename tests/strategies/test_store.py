@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 import strategies._store as store_module
+from lifecycle.testing import FaultInjection, InjectedFault
 from strategies import DeviceLayer, StoreError
 from strategies.protocol import StoreReport, TensorStore, forget_locals, prepare_discard, prepare_undiscard
-from strategies.testing import FaultInjection, InjectedFault
 from tests.helpers import TiedLM
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 
 class Extras(nn.Module):

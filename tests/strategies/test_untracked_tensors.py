@@ -14,7 +14,7 @@ from lifecycle import LifecycleController, Phase, TransitionRejected
 from strategies import StoreError
 from tests.helpers import device_tier_storages
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 D = 8
 MODES = ["resident", "component-offload", "snapshot-offload"]

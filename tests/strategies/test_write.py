@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from lifecycle.testing import FaultInjection, InjectedFault
 from strategies import DeviceLayer
 from strategies.protocol import (
     FileRegion,
@@ -22,10 +23,9 @@ from strategies.protocol import (
     forget_locals,
     safetensors_regions,
 )
-from strategies.testing import FaultInjection, InjectedFault
 from tests.helpers import TiedLM
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 NAMES = ["blocks.0.1.weight", "blocks.2.1.bias", "head.weight", "scale"]
 
@@ -105,10 +105,8 @@ async def test_a_write_lands_in_place_and_the_commit_keeps_it(
     await store.land_refresh()
 
 
-@pytest.mark.parametrize("how", ["undo", "rollback"])
 @pytest.mark.parametrize("where", PLACES)
-async def test_an_undone_write_restores_every_tensor(
-        layer: DeviceLayer, where: str, how: str) -> None:
+async def test_an_undone_write_restores_every_tensor(layer: DeviceLayer, where: str) -> None:
     """Undone instead of committed (another component's write failed), every tensor has its
     old value again, and a mirror that was current still is (the next sleep copies nothing)."""
     lm = TiedLM()
@@ -116,10 +114,7 @@ async def test_an_undone_write_restores_every_tensor(
     store = TensorStore("lm", lm, layer, whole=where == "offloaded")
     await setup(store, where)
     move = await store.prepare_write(sources(fresh_values(store)))
-    if how == "undo":
-        await move.undo()
-    else:
-        move.rollback()
+    await move.undo()
     assert same(lm, before)
     if where == "mirrored":
         assert (await store.prepare_to_host(store.units)).bytes_copied == 0

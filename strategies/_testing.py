@@ -1,5 +1,6 @@
 """Fault-injecting device layers, beside the device layer they wrap: for testing code that
-uses this library (and for this library's own tests). ``lifecycle.testing`` re-exports them.
+uses this library (and for this library's own tests). Private: :mod:`lifecycle.testing`, the
+one public testing entry, re-exports them.
 
 :class:`FaultInjection` makes a device layer fail the k-th copy or allocation, or slow every
 copy down, so that rollback and cancellation paths run for real; :class:`FaultyDevice` is
@@ -35,12 +36,14 @@ from ._cudart import CudaRuntime
 from ._cudasim import CudaSimViolation, SimCuda, check_cuda_sim
 from ._device import CpuDevice, DeviceLayer, Tier, resolve_device
 from ._fileread import FileRegion
-from ._layers import cpu_layer_kind, layer_seed
+from ._layers import DEVICE_LAYER_ENV, LAYER_KINDS, cpu_layer_kind, layer_seed, seed_layers
 from ._ordering import POISON, OrderingDevice, OrderingViolation, check_ordering
 
-__all__ = ["POISON", "CudaSimViolation", "FaultInjection", "FaultyCudaDevice", "FaultyDevice",
-           "InjectedFault", "OrderingDevice", "OrderingFaultyDevice", "OrderingViolation",
-           "SimCuda", "check_cuda_sim", "check_ordering", "faulty_device_layer", "sim_cuda_layer"]
+__all__ = ["DEVICE_LAYER_ENV", "LAYER_KINDS", "POISON", "CudaSimViolation", "FaultInjection",
+           "FaultyCudaDevice", "FaultyDevice", "InjectedFault", "OrderingDevice",
+           "OrderingFaultyDevice", "OrderingViolation", "SimCuda", "check_cuda_sim",
+           "check_ordering", "faulty_cpu_layer_class", "faulty_device_layer", "layer_seed",
+           "seed_layers", "sim_cuda_layer"]
 
 
 class InjectedFault(RuntimeError):
@@ -163,6 +166,36 @@ class FaultyCudaDevice(FaultInjection, CudaDevice):
                          alloc_delay=alloc_delay, jitter=jitter, seed=seed)
 
 
+class _SeededOrderingFaultyDevice(OrderingFaultyDevice):
+    """:class:`OrderingFaultyDevice` as :data:`~strategies._layers.DEVICE_LAYER_ENV` selects it
+    for a CPU device: landing delays seeded from :func:`layer_seed` unless ``ordering_seed``
+    is given (a test seeds the layers it makes, so a failure replays)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("ordering_seed", layer_seed())
+        super().__init__(*args, **kwargs)
+
+
+class _SimFaultyDevice(FaultyCudaDevice):
+    """:class:`FaultyCudaDevice` over a simulated GPU seeded from :func:`layer_seed`: the
+    fault-injecting layer ``RESIDENCY_DEVICE_LAYER=cuda-sim`` selects for a CPU device."""
+
+    def __init__(self, device: torch.device | None = None, **faults: Any) -> None:
+        super().__init__(device, SimCuda(seed=layer_seed()), **faults)
+
+
+def faulty_cpu_layer_class() -> type[FaultInjection]:
+    """The fault-injecting layer class for a CPU device that :data:`DEVICE_LAYER_ENV` selects
+    now (made as :class:`FaultyDevice` is: ``cls(device=None, **faults)``):
+    :class:`FaultyDevice`, the ordering one, or the CUDA one over a simulated GPU."""
+    kind = cpu_layer_kind()
+    if kind == "ordering":
+        return _SeededOrderingFaultyDevice
+    if kind == "cuda-sim":
+        return _SimFaultyDevice
+    return FaultyDevice
+
+
 def sim_cuda_layer(**sim: Any) -> CudaDevice:
     """:class:`~strategies._cuda.CudaDevice` over a simulated GPU (:class:`SimCuda`, made with
     ``sim``: ``seed``, ``max_lag``, ``capacity``, ...): the CUDA layer's own code on the CPU."""
@@ -173,14 +206,9 @@ def sim_cuda_layer(**sim: Any) -> CudaDevice:
 def faulty_device_layer(device: str | torch.device | None = None, **faults: Any
                         ) -> FaultInjection:
     """A fault-injecting layer for ``device`` (see :func:`strategies.resolve_device`; on a
-    CPU device, the ordering one or the CUDA one over a simulated GPU when
-    ``RESIDENCY_DEVICE_LAYER`` asks for it)."""
+    CPU device, the one :func:`faulty_cpu_layer_class` selects: the ordering one or the CUDA
+    one over a simulated GPU when ``RESIDENCY_DEVICE_LAYER`` asks for it)."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         return FaultyCudaDevice(dev, **faults)
-    kind = cpu_layer_kind()
-    if kind == "ordering":
-        return OrderingFaultyDevice(dev, **faults)
-    if kind == "cuda-sim":
-        return FaultyCudaDevice(dev, SimCuda(seed=layer_seed()), **faults)
-    return FaultyDevice(dev, **faults)
+    return faulty_cpu_layer_class()(dev, **faults)
