@@ -180,34 +180,44 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench_parsers(b: argparse.ArgumentParser) -> None:
-    """``residency bench <which>``: one subparser per benchmark over shared parent parsers."""
-    from . import bench, bench_residency, bench_update
+    """``residency bench <which>``: one subparser per benchmark over parent parsers of options
+    they share. Each gets parents of its own: a parent's actions are shared by its children,
+    so one child's ``set_defaults`` (update's ``repeats=3``) would change the others'."""
+    from . import bench, bench_discard, bench_residency, bench_update
 
-    base, pipeline = bench.base_options(), bench.pipeline_options()
+    def options(*, pipeline: bool = True) -> list[argparse.ArgumentParser]:
+        return [bench.base_options(), *([bench.pipeline_options()] if pipeline else [])]
+
     which = b.add_subparsers(dest="which", metavar="{sleep-wake,update,residency,discard,all}")
-    which.add_parser("sleep-wake", parents=[base, pipeline], help="sleep/wake throughput",
+    which.add_parser("sleep-wake", parents=options(), help="sleep/wake throughput",
                      description=bench.__doc__)
-    update = which.add_parser("update", parents=[base, pipeline], help="weight updates",
+    update = which.add_parser("update", parents=options(), help="weight updates",
                               description=bench_update.__doc__)
     bench_update.add_arguments(update)
-    residency = which.add_parser("residency", parents=[base], help="latency of each mode",
-                                 description=bench_residency.__doc__)
+    residency = which.add_parser("residency", parents=options(pipeline=False),
+                                 help="latency of each mode", description=bench_residency.__doc__)
     bench_residency.add_arguments(residency)
-    from . import bench_discard
-
-    which.add_parser("discard", parents=[base, pipeline], help="an RL cycle with discarding "
+    which.add_parser("discard", parents=options(), help="an RL cycle with discarding "
                      "releases against keeping ones", description=bench_discard.__doc__)
-    both = which.add_parser("all", parents=[base, pipeline], help="sleep-wake, then update")
+    both = which.add_parser("all", parents=options(), help="sleep-wake, then update")
     bench_update.add_arguments(both)
-    both.set_defaults(repeats=None)
-    # `residency bench` alone runs them all with the defaults.
-    b.set_defaults(which="all", size="1GiB", dtype="float32", malloc="keep", device=None,
-                   repeats=None, json=False, mode="resident", cold=False)
+    both.set_defaults(repeats=None)  # each benchmark's own default (see _bench)
+    # `residency bench` alone is `residency bench all` (see main). No defaults on ``b``: a
+    # parent parser's defaults win over its subparsers' own.
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line ``argv`` (without the program), parsed."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench" and args.which is None:  # `residency bench [OPTIONS]`
+        args = parser.parse_args([*argv, "all"])
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    args = parse(argv)
     if args.command == "drill" and args.cycles < 0:
         print("residency drill: --cycles must be non-negative", file=sys.stderr)
         return 2

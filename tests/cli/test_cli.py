@@ -14,6 +14,7 @@ import pytest
 
 from lifecycle._phase import TRANSITIONS
 from lifecycle.cli import main
+from lifecycle.cli import parse as cli_parse
 
 pytestmark = pytest.mark.moves
 
@@ -266,3 +267,18 @@ def test_discard_bench_compares_an_rl_cycle_in_both_modes() -> None:
     assert discard["held_after_release"]["host_bytes"] < keep["held_after_release"]["host_bytes"]
     assert set(keep["seconds"]) == {"release", "resume", "update", "generate"}
     assert doc["correct"] is True and discard["refused_while_stale"] is True
+
+
+@pytest.mark.parametrize(("argv", "which", "repeats"), [
+    ([], "all", None), (["all"], "all", None), (["sleep-wake"], "sleep-wake", 5),
+    (["update"], "update", 3), (["residency"], "residency", 5), (["discard"], "discard", 5),
+    (["discard", "--repeats", "2"], "discard", 2)])
+def test_each_benchmark_has_its_own_defaults(argv: list[str], which: str,
+                                             repeats: int | None) -> None:
+    """``residency bench WHICH`` without options takes that benchmark's defaults (update's
+    three repeats do not leak into the others, nor "all"'s unset one), and ``residency bench``
+    alone is ``bench all``."""
+    args = cli_parse(["bench", *argv])
+    assert (args.which, args.repeats) == (which, repeats)
+    if which != "residency":
+        assert (args.size, args.dtype, args.malloc) == ("1GiB", "float32", "keep")
