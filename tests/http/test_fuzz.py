@@ -43,18 +43,17 @@ async def test_random_bodies_never_crash_the_app_or_change_weights(path: str, bo
     """Whatever a client sends to any POST path: a JSON answer under 500, the server keeps
     serving, and the weights are unchanged (only a valid update may change them)."""
     pipe = DemoPipeline.build(2**16)
-    ctl = LifecycleController("cpu")
-    await ctl.attach(pipe)
-    before = ctl.weights_checksum()
-    app = create_app(ctl, generate=demo_generate(pipe))
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        r = await client.post(path, content=content,
-                              headers={"content-type": "application/json"})
-        assert r.status_code < 500, (path, body, r.text)
-        assert isinstance(r.json(), dict)
-        health = await client.get("/health")
-        assert health.status_code == 200
-    assert ctl.weights_checksum() == before
-    await ctl.aclose()
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(pipe)
+        before = ctl.weights_checksum()
+        app = create_app(ctl, generate=demo_generate(pipe))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = await client.post(path, content=content,
+                                  headers={"content-type": "application/json"})
+            assert r.status_code < 500, (path, body, r.text)
+            assert isinstance(r.json(), dict)
+            health = await client.get("/health")
+            assert health.status_code == 200
+        assert ctl.weights_checksum() == before

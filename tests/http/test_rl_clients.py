@@ -250,34 +250,33 @@ async def test_every_update_route_labels_the_weights_and_a_failed_one_keeps_the_
     """Before any update the version is null; a tensor upload (an integer label), a disk update
     (with the LLM server's load_format "auto") set it; a refused update keeps it."""
     pipe = DemoPipeline.build(2**16)
-    ctl = LifecycleController("cpu")
-    await ctl.attach(pipe)
-    app = create_app(ctl)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://test") as client:
-        assert (await client.get("/get_weight_version")).json() == {"weight_version": None}
-        new = random_like(dict(pipe.modules["transformer"].named_parameters()), seed=9)
-        r = await client.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [bucket_payload(new)], "load_format": "flattened_bucket",
-            "target_modules": ["transformer"], "weight_version": 7})
-        assert r.status_code == 200 and r.json()["weight_version"] == "7", r.text
-        (tmp_path / "vae").mkdir()
-        save_file(dict(random_like(dict(pipe.modules["vae"].named_parameters()), seed=3)),
-                  str(tmp_path / "vae" / "w.safetensors"))
-        r = await client.post("/update_weights_from_disk", json={
-            "model_path": str(tmp_path), "target_modules": ["vae"], "weight_version": "disk-1",
-            "load_format": "auto", "abort_all_requests": True, "flush_cache": True})
-        assert r.status_code == 200, r.text
-        r = await client.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [serialize([("nope", torch.ones(1))])],
-            "weight_version": "lost"})
-        assert r.status_code == 400 and r.json()["weight_version"] == "disk-1"
-        assert (await client.get("/get_weight_version")).json() == {"weight_version": "disk-1"}
-        state = (await client.get("/state")).json()
-        assert (state["weight_version"], state["weights_version"]) == ("disk-1", 2)
-        r = await client.post("/update_weights_from_tensor", content=json.dumps({
-            "serialized_named_tensors": [serialize(new)], "weight_version": [1]}),
-            headers={"content-type": "application/json"})
-        assert r.status_code == 400 and r.json()["message"] == \
-            "weight_version must be a string, got list"
-    await ctl.aclose()
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(pipe)
+        app = create_app(ctl)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as client:
+            assert (await client.get("/get_weight_version")).json() == {"weight_version": None}
+            new = random_like(dict(pipe.modules["transformer"].named_parameters()), seed=9)
+            r = await client.post("/update_weights_from_tensor", json={
+                "serialized_named_tensors": [bucket_payload(new)], "load_format": "flattened_bucket",
+                "target_modules": ["transformer"], "weight_version": 7})
+            assert r.status_code == 200 and r.json()["weight_version"] == "7", r.text
+            (tmp_path / "vae").mkdir()
+            save_file(dict(random_like(dict(pipe.modules["vae"].named_parameters()), seed=3)),
+                      str(tmp_path / "vae" / "w.safetensors"))
+            r = await client.post("/update_weights_from_disk", json={
+                "model_path": str(tmp_path), "target_modules": ["vae"], "weight_version": "disk-1",
+                "load_format": "auto", "abort_all_requests": True, "flush_cache": True})
+            assert r.status_code == 200, r.text
+            r = await client.post("/update_weights_from_tensor", json={
+                "serialized_named_tensors": [serialize([("nope", torch.ones(1))])],
+                "weight_version": "lost"})
+            assert r.status_code == 400 and r.json()["weight_version"] == "disk-1"
+            assert (await client.get("/get_weight_version")).json() == {"weight_version": "disk-1"}
+            state = (await client.get("/state")).json()
+            assert (state["weight_version"], state["weights_version"]) == ("disk-1", 2)
+            r = await client.post("/update_weights_from_tensor", content=json.dumps({
+                "serialized_named_tensors": [serialize(new)], "weight_version": [1]}),
+                headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["message"] == \
+                "weight_version must be a string, got list"

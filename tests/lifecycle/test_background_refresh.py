@@ -93,30 +93,30 @@ async def test_update_answers_before_the_refresh_and_a_sleep_waits_for_it() -> N
     a sleep waits for the refresh, then copies nothing, and the woken weights are exact."""
     layer = GatedDevice()
     ctl, pipe = await attached(layer)
-    state = shifted(pipe["transformer"], 1.0)
-    layer.gate.clear()
-    result = await ctl.update_weights_from_tensors(state)
-    assert result.success and ctl.phase is Phase.AWAKE
-    store = store_of(ctl)
-    refresh = write.refresh_pending(store)
-    assert refresh is not None and not refresh.done()
-    await wait_for(layer.waiting)
-    assert fingerprints(pipe) == expected_after([state])  # the write is complete
-    assert all(u.dirty() for u in store.units)  # mirrors stale until the refresh lands
-    slept: list[Any] = []
+    async with ctl:
+        state = shifted(pipe["transformer"], 1.0)
+        layer.gate.clear()
+        result = await ctl.update_weights_from_tensors(state)
+        assert result.success and ctl.phase is Phase.AWAKE
+        store = store_of(ctl)
+        refresh = write.refresh_pending(store)
+        assert refresh is not None and not refresh.done()
+        await wait_for(layer.waiting)
+        assert fingerprints(pipe) == expected_after([state])  # the write is complete
+        assert all(u.dirty() for u in store.units)  # mirrors stale until the refresh lands
+        slept: list[Any] = []
 
-    async def sleep() -> None:
-        slept.append(await ctl.sleep())
+        async def sleep() -> None:
+            slept.append(await ctl.sleep())
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(sleep)
-        await anyio.sleep(0.05)
-        assert not slept and ctl.phase is Phase.AWAKE  # waiting for the refresh
-        layer.gate.set()
-    assert slept[0].success and slept[0].bytes_moved == 0  # the refresh made them current
-    await ctl.wake()
-    assert fingerprints(pipe) == expected_after([state])
-    await ctl.aclose()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sleep)
+            await anyio.sleep(0.05)
+            assert not slept and ctl.phase is Phase.AWAKE  # waiting for the refresh
+            layer.gate.set()
+        assert slept[0].success and slept[0].bytes_moved == 0  # the refresh made them current
+        await ctl.wake()
+        assert fingerprints(pipe) == expected_after([state])
 
 
 async def test_a_sleep_right_after_an_update_gives_the_exact_weights() -> None:
@@ -124,16 +124,16 @@ async def test_a_sleep_right_after_an_update_gives_the_exact_weights() -> None:
     the last update's weights, and every mirror the sleep kept is current."""
     layer = GatedDevice(copy_delay=0.001)
     ctl, pipe = await attached(layer)
-    updates = []
-    for k in range(3):
-        state = shifted(pipe["transformer"], 0.5 + k)
-        updates.append(state)
-        assert (await ctl.update_weights_from_tensors(state)).success
-        assert (await ctl.sleep()).success
-        assert not any(u.dirty() for u in store_of(ctl).units)
-        await ctl.wake()
-        assert fingerprints(pipe) == expected_after(updates)
-    await ctl.aclose()
+    async with ctl:
+        updates = []
+        for k in range(3):
+            state = shifted(pipe["transformer"], 0.5 + k)
+            updates.append(state)
+            assert (await ctl.update_weights_from_tensors(state)).success
+            assert (await ctl.sleep()).success
+            assert not any(u.dirty() for u in store_of(ctl).units)
+            await ctl.wake()
+            assert fingerprints(pipe) == expected_after(updates)
 
 
 async def test_a_fault_in_the_refresh_leaves_the_mirror_stale_and_the_next_sleep_copies_it(
@@ -143,32 +143,32 @@ async def test_a_fault_in_the_refresh_leaves_the_mirror_stale_and_the_next_sleep
     sleep copies it, and the woken weights are bit-exact."""
     probe = GatedDevice()
     ctl, pipe = await attached(probe)
-    state = shifted(pipe["transformer"], 1.0)
-    before = probe.copies
-    await ctl.update_weights_from_tensors(state)
-    await store_of(ctl).land_refresh()
-    writes = probe.copies - before - len(state)  # the update's own copies (the rest: refresh)
-    await ctl.aclose()
+    async with ctl:
+        state = shifted(pipe["transformer"], 1.0)
+        before = probe.copies
+        await ctl.update_weights_from_tensors(state)
+        await store_of(ctl).land_refresh()
+        writes = probe.copies - before - len(state)  # the update's own copies (the rest: refresh)
 
     layer = GatedDevice()
     ctl, pipe = await attached(layer)
-    with capture_events() as events:
-        layer.arm(copy_at=writes + 1)  # the first copy of the refresh
-        result = await ctl.update_weights_from_tensors(state)
-        assert result.success
-        refresh = write.refresh_pending(store_of(ctl))
-        assert refresh is not None
-        await refresh.wait()
-        assert layer.faults == 1 and refresh.error is not None
-        assert all(u.dirty() for u in store_of(ctl).units)  # stale, not current
-        slept = await ctl.sleep()
-    stale = [e for e in events if e["event"] == UPDATE_MIRROR_STALE]
-    assert [e["component"] for e in stale] == ["transformer"]
-    assert "InjectedFault" in stale[0]["error"]
-    assert slept.success and slept.bytes_moved > 0  # the sleep copied the stale mirror
-    await ctl.wake()
-    assert fingerprints(pipe) == expected_after([state])
-    await ctl.aclose()
+    async with ctl:
+        with capture_events() as events:
+            layer.arm(copy_at=writes + 1)  # the first copy of the refresh
+            result = await ctl.update_weights_from_tensors(state)
+            assert result.success
+            refresh = write.refresh_pending(store_of(ctl))
+            assert refresh is not None
+            await refresh.wait()
+            assert layer.faults == 1 and refresh.error is not None
+            assert all(u.dirty() for u in store_of(ctl).units)  # stale, not current
+            slept = await ctl.sleep()
+        stale = [e for e in events if e["event"] == UPDATE_MIRROR_STALE]
+        assert [e["component"] for e in stale] == ["transformer"]
+        assert "InjectedFault" in stale[0]["error"]
+        assert slept.success and slept.bytes_moved > 0  # the sleep copied the stale mirror
+        await ctl.wake()
+        assert fingerprints(pipe) == expected_after([state])
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -179,52 +179,52 @@ async def test_a_second_update_supersedes_a_pending_refresh() -> None:
     copies nothing and the woken weights are the second update over the first."""
     layer = GatedDevice()
     ctl, pipe = await attached(layer)
-    first = shifted(pipe["transformer"], 1.0)
-    second = shifted(pipe["transformer"], 2.0, names=["0.weight"])
-    layer.gate.clear()
-    assert (await ctl.update_weights_from_tensors(first)).success
-    superseded = write.refresh_pending(store_of(ctl))
-    assert superseded is not None
-    await wait_for(layer.waiting)  # its first chunk is about to start
-    done: list[bool] = []
+    async with ctl:
+        first = shifted(pipe["transformer"], 1.0)
+        second = shifted(pipe["transformer"], 2.0, names=["0.weight"])
+        layer.gate.clear()
+        assert (await ctl.update_weights_from_tensors(first)).success
+        superseded = write.refresh_pending(store_of(ctl))
+        assert superseded is not None
+        await wait_for(layer.waiting)  # its first chunk is about to start
+        done: list[bool] = []
 
-    async def update() -> None:
-        done.append((await ctl.update_weights_from_tensors(second)).success)
+        async def update() -> None:
+            done.append((await ctl.update_weights_from_tensors(second)).success)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(update)
-        await anyio.sleep(0.05)
-        assert not done  # waits for the chunk in flight
-        layer.gate.set()
-    assert done == [True]
-    assert superseded.cancelled and superseded.copied < sum(t.nbytes for t in first.values())
-    follow = write.refresh_pending(store_of(ctl))
-    assert follow is not None and follow is not superseded
-    await follow.wait()
-    assert follow.error is None and not any(u.dirty() for u in store_of(ctl).units)
-    slept = await ctl.sleep()
-    assert slept.bytes_moved == 0
-    await ctl.wake()
-    assert fingerprints(pipe) == expected_after([first, second])
-    await ctl.aclose()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(update)
+            await anyio.sleep(0.05)
+            assert not done  # waits for the chunk in flight
+            layer.gate.set()
+        assert done == [True]
+        assert superseded.cancelled and superseded.copied < sum(t.nbytes for t in first.values())
+        follow = write.refresh_pending(store_of(ctl))
+        assert follow is not None and follow is not superseded
+        await follow.wait()
+        assert follow.error is None and not any(u.dirty() for u in store_of(ctl).units)
+        slept = await ctl.sleep()
+        assert slept.bytes_moved == 0
+        await ctl.wake()
+        assert fingerprints(pipe) == expected_after([first, second])
 
 
 async def test_forwards_run_while_the_refresh_is_in_flight() -> None:
     """A forward reads the new weights while their mirror refresh is held back."""
     layer = GatedDevice()
     ctl, pipe = await attached(layer)
-    state = shifted(pipe["transformer"], 1.0)
-    ref = small_pipeline()
-    ref["transformer"].load_state_dict(state)
-    layer.gate.clear()
-    await ctl.update_weights_from_tensors(state)
-    await wait_for(layer.waiting)
-    x = torch.randn(2, 16)
-    async with ctl.use("transformer") as transformer:
-        with torch.no_grad():
-            assert torch.equal(transformer(x), ref["transformer"](x))
-    assert write.refresh_pending(store_of(ctl)) is not None
-    layer.gate.set()
-    await ctl.detach()  # detach lands the refresh too
-    assert fingerprints(pipe) == expected_after([state])
-    await ctl.aclose()
+    async with ctl:
+        state = shifted(pipe["transformer"], 1.0)
+        ref = small_pipeline()
+        ref["transformer"].load_state_dict(state)
+        layer.gate.clear()
+        await ctl.update_weights_from_tensors(state)
+        await wait_for(layer.waiting)
+        x = torch.randn(2, 16)
+        async with ctl.use("transformer") as transformer:
+            with torch.no_grad():
+                assert torch.equal(transformer(x), ref["transformer"](x))
+        assert write.refresh_pending(store_of(ctl)) is not None
+        layer.gate.set()
+        await ctl.detach()  # detach lands the refresh too
+        assert fingerprints(pipe) == expected_after([state])

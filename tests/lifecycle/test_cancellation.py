@@ -75,34 +75,34 @@ async def test_cancellation_at_every_await_point_leaves_a_consistent_state(trigg
     # complete on any machine.
     for n in [*range(200), *(int(200 * 1.5**k) for k in range(1, 25))]:
         pipe = small_pipeline()
-        ctl = LifecycleController(device_layer=FaultyDevice(), residency=RESIDENCY)
-        await ctl.attach(pipe)
-        if trigger == "wake":
-            await ctl.sleep()
-        before, new = fingerprints(pipe), shifted(pipe)
-        awake_bytes = ctl.report().device_bytes if trigger != "wake" else None
-        call = functools.partial(one_call, ctl, trigger, new)
+        async with LifecycleController(device_layer=FaultyDevice(), residency=RESIDENCY) as ctl:
+            await ctl.attach(pipe)
+            if trigger == "wake":
+                await ctl.sleep()
+            before, new = fingerprints(pipe), shifted(pipe)
+            awake_bytes = ctl.report().device_bytes if trigger != "wake" else None
+            call = functools.partial(one_call, ctl, trigger, new)
 
-        cancelled = await cancel_after_checkpoints(n, call)
-        landed += cancelled
-        assert ctl.transition is None and ctl.in_flight == 0
-        report = ctl.report()
-        if ctl.phase is Phase.SLEEPING:
-            assert report.device_bytes == 0
-        else:
-            assert ctl.phase is Phase.AWAKE
-            if awake_bytes is not None:
-                assert report.device_bytes == awake_bytes
-        allowed = [before]
-        if trigger == "update":
-            ref = small_pipeline()
-            ref["transformer"].load_state_dict(new)
-            allowed.append(fingerprints(ref))
-        assert fingerprints(pipe) in allowed
-        await ctl.wake()
-        await call()  # the retry succeeds
-        if not cancelled:
-            break
+            cancelled = await cancel_after_checkpoints(n, call)
+            landed += cancelled
+            assert ctl.transition is None and ctl.in_flight == 0
+            report = ctl.report()
+            if ctl.phase is Phase.SLEEPING:
+                assert report.device_bytes == 0
+            else:
+                assert ctl.phase is Phase.AWAKE
+                if awake_bytes is not None:
+                    assert report.device_bytes == awake_bytes
+            allowed = [before]
+            if trigger == "update":
+                ref = small_pipeline()
+                ref["transformer"].load_state_dict(new)
+                allowed.append(fingerprints(ref))
+            assert fingerprints(pipe) in allowed
+            await ctl.wake()
+            await call()  # the retry succeeds
+            if not cancelled:
+                break
     else:
         pytest.fail("the call never completed, even with millions of checkpoints")
     assert landed >= 1, "the sweep should hit at least one await point"
@@ -136,16 +136,17 @@ async def test_cancelled_update_rolls_back_and_leaves_phase_awake() -> None:
     for delay_ms in (0, 1, 2, 5, 10, 30):
         layer = FaultyDevice(copy_delay=0.0005)
         ctl, pipe = await attached("resident", layer)
-        sums = ctl.weights_checksum()
-        state = new_state(pipe["text_encoder"])
-        state.pop("head.weight")
-        with anyio.move_on_after(delay_ms / 1000) as scope:
-            result = await ctl.update_weights_from_tensors(state, "text_encoder")
-        assert ctl.phase is Phase.AWAKE and ctl.transition is None
-        if scope.cancelled_caught:
-            assert ctl.weights_checksum() == sums and ctl.weights_version == 0
-        else:
-            assert result.success and ctl.weights_version == 1
+        async with ctl:
+            sums = ctl.weights_checksum()
+            state = new_state(pipe["text_encoder"])
+            state.pop("head.weight")
+            with anyio.move_on_after(delay_ms / 1000) as scope:
+                result = await ctl.update_weights_from_tensors(state, "text_encoder")
+            assert ctl.phase is Phase.AWAKE and ctl.transition is None
+            if scope.cancelled_caught:
+                assert ctl.weights_checksum() == sums and ctl.weights_version == 0
+            else:
+                assert result.success and ctl.weights_version == 1
 
 
 @pytest.mark.moves
@@ -156,17 +157,17 @@ async def test_a_cancelled_change_leaves_the_old_layout() -> None:
     for deadline in (0.0, 0.003, 0.01, 0.03, 3.0):  # (the last: enough for 64 slow copies)
         layer = FaultyDevice(copy_delay=0.004)
         ctl, pipe, expected = await _attached("resident", layer)
-        before = _layout(ctl)
-        with anyio.move_on_after(deadline) as scope:
-            await ctl.set_residency(_config("layerwise-offload"))
-        if scope.cancelled_caught:
-            outcomes.add("cancelled")
-            assert _layout(ctl) == before, deadline
-        else:
-            outcomes.add("done")
-            assert ctl.strategy("transformer").mode is ResidencyMode.LAYERWISE_OFFLOAD
-        assert torch.equal(await pipe.generate(ctl=ctl), expected)
-        await ctl.aclose()
+        async with ctl:
+            before = _layout(ctl)
+            with anyio.move_on_after(deadline) as scope:
+                await ctl.set_residency(_config("layerwise-offload"))
+            if scope.cancelled_caught:
+                outcomes.add("cancelled")
+                assert _layout(ctl) == before, deadline
+            else:
+                outcomes.add("done")
+                assert ctl.strategy("transformer").mode is ResidencyMode.LAYERWISE_OFFLOAD
+            assert torch.equal(await pipe.generate(ctl=ctl), expected)
     assert outcomes == {"cancelled", "done"}
 
 
@@ -176,17 +177,17 @@ async def test_a_cancelled_discarding_sleep_either_committed_or_changed_nothing(
     outcomes = set()
     for deadline in (0.0, 0.002, 0.01, 3.0):
         ctl, _, _, _ = await served("resident", FaultyDevice(copy_delay=0.002))
-        before = (ctl.report(), dict(ctl.stale))
-        with anyio.move_on_after(deadline) as scope:
-            await ctl.sleep(discard=["text_encoder"])
-        if scope.cancelled_caught and ctl.phase is Phase.AWAKE:
-            outcomes.add("cancelled")
-            assert (ctl.report(), dict(ctl.stale)) == before
-        else:
-            outcomes.add("done")
-            await ctl.wake()
-            assert set(ctl.stale) == {"text_encoder"}
-        await ctl.aclose()
+        async with ctl:
+            before = (ctl.report(), dict(ctl.stale))
+            with anyio.move_on_after(deadline) as scope:
+                await ctl.sleep(discard=["text_encoder"])
+            if scope.cancelled_caught and ctl.phase is Phase.AWAKE:
+                outcomes.add("cancelled")
+                assert (ctl.report(), dict(ctl.stale)) == before
+            else:
+                outcomes.add("done")
+                await ctl.wake()
+                assert set(ctl.stale) == {"text_encoder"}
     assert outcomes == {"cancelled", "done"}
 
 
@@ -197,25 +198,25 @@ async def test_a_cancelled_update_cancels_the_refresh_it_superseded() -> None:
     copies that: the woken weights are exactly the first update's."""
     layer = GatedDevice()
     ctl, pipe = await attached_refreshing(layer)
-    first = shifted_by(pipe["transformer"], 1.0)
-    layer.gate.clear()
-    assert (await ctl.update_weights_from_tensors(first)).success
-    refresh = write.refresh_pending(store_of(ctl))
-    assert refresh is not None
-    await wait_for(layer.waiting)
-    with anyio.move_on_after(0.05) as scope:
-        await ctl.update_weights_from_tensors(shifted_by(pipe["transformer"], 5.0))
-    assert scope.cancelled_caught
-    assert ctl.weights_version == 1 and ctl.phase is Phase.AWAKE
-    layer.gate.set()
-    await refresh.wait()
-    assert refresh.cancelled and refresh.error is None
-    assert any(u.dirty() for u in store_of(ctl).units)  # left stale, not marked current
-    slept = await ctl.sleep()
-    assert slept.success and slept.bytes_moved > 0
-    await ctl.wake()
-    assert fingerprints(pipe) == expected_after([first])
-    await ctl.aclose()
+    async with ctl:
+        first = shifted_by(pipe["transformer"], 1.0)
+        layer.gate.clear()
+        assert (await ctl.update_weights_from_tensors(first)).success
+        refresh = write.refresh_pending(store_of(ctl))
+        assert refresh is not None
+        await wait_for(layer.waiting)
+        with anyio.move_on_after(0.05) as scope:
+            await ctl.update_weights_from_tensors(shifted_by(pipe["transformer"], 5.0))
+        assert scope.cancelled_caught
+        assert ctl.weights_version == 1 and ctl.phase is Phase.AWAKE
+        layer.gate.set()
+        await refresh.wait()
+        assert refresh.cancelled and refresh.error is None
+        assert any(u.dirty() for u in store_of(ctl).units)  # left stale, not marked current
+        slept = await ctl.sleep()
+        assert slept.success and slept.bytes_moved > 0
+        await ctl.wake()
+        assert fingerprints(pipe) == expected_after([first])
 
 
 async def test_a_cancelled_sleep_leaves_the_refresh_running_and_nothing_moved() -> None:
@@ -223,17 +224,17 @@ async def test_a_cancelled_sleep_leaves_the_refresh_running_and_nothing_moved() 
     and the next sleep copies nothing."""
     layer = GatedDevice()
     ctl, pipe = await attached_refreshing(layer)
-    state = shifted_by(pipe["transformer"], 1.0)
-    layer.gate.clear()
-    await ctl.update_weights_from_tensors(state)
-    await wait_for(layer.waiting)
-    with anyio.move_on_after(0.05) as scope:
-        await ctl.sleep()
-    assert scope.cancelled_caught and ctl.phase is Phase.AWAKE
-    assert all(u.where == "device" for u in store_of(ctl).units)
-    layer.gate.set()
-    slept = await ctl.sleep()
-    assert slept.success and slept.bytes_moved == 0
-    await ctl.wake()
-    assert fingerprints(pipe) == expected_after([state])
-    await ctl.aclose()
+    async with ctl:
+        state = shifted_by(pipe["transformer"], 1.0)
+        layer.gate.clear()
+        await ctl.update_weights_from_tensors(state)
+        await wait_for(layer.waiting)
+        with anyio.move_on_after(0.05) as scope:
+            await ctl.sleep()
+        assert scope.cancelled_caught and ctl.phase is Phase.AWAKE
+        assert all(u.where == "device" for u in store_of(ctl).units)
+        layer.gate.set()
+        slept = await ctl.sleep()
+        assert slept.success and slept.bytes_moved == 0
+        await ctl.wake()
+        assert fingerprints(pipe) == expected_after([state])

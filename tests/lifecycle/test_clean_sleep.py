@@ -43,24 +43,24 @@ async def test_a_clean_sleep_moves_no_byte_and_never_hops_to_a_thread(
     copies nothing, starts no worker thread (on the CPU layer: nothing to synchronize),
     releases every device byte, and the wake gives the same weights and outputs."""
     ctl, pipe = await slept_once()
-    before, outputs = fingerprints(pipe), run_pipeline(pipe)
-    hops: list[Callable[..., Any]] = []
-    run_sync = anyio.to_thread.run_sync
+    async with ctl:
+        before, outputs = fingerprints(pipe), run_pipeline(pipe)
+        hops: list[Callable[..., Any]] = []
+        run_sync = anyio.to_thread.run_sync
 
-    async def counted(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        hops.append(func)
-        return await run_sync(func, *args, **kwargs)
+        async def counted(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            hops.append(func)
+            return await run_sync(func, *args, **kwargs)
 
-    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
-    result = await ctl.sleep()
-    monkeypatch.undo()
-    assert result.success and result.bytes_moved == 0 and hops == []
-    assert result.bytes_released == sum(ctl.strategy(n).store.nbytes for n in ctl.components)
-    assert ctl.report().device_bytes == 0
-    await ctl.wake()
-    assert fingerprints(pipe) == before
-    assert all(torch.equal(a, b) for a, b in zip(run_pipeline(pipe), outputs, strict=True))
-    await ctl.aclose()
+        monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+        result = await ctl.sleep()
+        monkeypatch.undo()
+        assert result.success and result.bytes_moved == 0 and hops == []
+        assert result.bytes_released == sum(ctl.strategy(n).store.nbytes for n in ctl.components)
+        assert ctl.report().device_bytes == 0
+        await ctl.wake()
+        assert fingerprints(pipe) == before
+        assert all(torch.equal(a, b) for a, b in zip(run_pipeline(pipe), outputs, strict=True))
 
 
 async def test_events_are_not_built_when_nobody_listens(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,24 +71,24 @@ async def test_events_are_not_built_when_nobody_listens(monkeypatch: pytest.Monk
     try:
         assert not wanted(get_logger("lifecycle"), logging.INFO)
         ctl, _ = await slept_once()
+        async with ctl:
 
-        def boom(*_: object) -> float:
-            raise AssertionError("an event's fields were computed for nobody")
+            def boom(*_: object) -> float:
+                raise AssertionError("an event's fields were computed for nobody")
 
-        with monkeypatch.context() as patch:
-            # The rate every event of a sleep carries (the summary's and each component's):
-            # the function itself fails, wherever the library calls it from.
-            patch.setattr(gbps, "__code__", boom.__code__)
-            assert (await ctl.sleep()).success
-        await ctl.wake()
-        with capture_events() as seen:
-            assert wanted(get_logger("lifecycle"), logging.DEBUG)
-            assert (await ctl.sleep()).success
-        names = [e["event"] for e in seen]
-        assert names.count(MOVE_PREPARED) == len(ctl.components)
-        summary = [e for e in seen if e["event"] == TRANSITION_COMMITTED]
-        assert [(e["trigger"], e["bytes"]) for e in summary] == [("sleep", 0)]
-        await ctl.aclose()
+            with monkeypatch.context() as patch:
+                # The rate every event of a sleep carries (the summary's and each component's):
+                # the function itself fails, wherever the library calls it from.
+                patch.setattr(gbps, "__code__", boom.__code__)
+                assert (await ctl.sleep()).success
+            await ctl.wake()
+            with capture_events() as seen:
+                assert wanted(get_logger("lifecycle"), logging.DEBUG)
+                assert (await ctl.sleep()).success
+            names = [e["event"] for e in seen]
+            assert names.count(MOVE_PREPARED) == len(ctl.components)
+            summary = [e for e in seen if e["event"] == TRANSITION_COMMITTED]
+            assert [(e["trigger"], e["bytes"]) for e in summary] == [("sleep", 0)]
     finally:
         logging.getLogger("lifecycle").setLevel(logging.NOTSET)
 
@@ -97,17 +97,17 @@ async def test_a_change_after_a_clean_sleep_is_still_copied() -> None:
     """The fast checks still see a change: one tensor written in place is copied at the next
     sleep (only its unit), and the woken weights hold the change."""
     ctl, pipe = await slept_once()
-    assert (await ctl.sleep()).bytes_moved == 0
-    await ctl.wake()
-    weight = layer(pipe["transformer"], 0, nn.Linear).weight
-    with torch.no_grad():
-        weight.add_(1.0)
-    expected = fingerprints(pipe)
-    result = await ctl.sleep()
-    assert result.bytes_moved == weight.nbytes
-    await ctl.wake()
-    assert fingerprints(pipe) == expected
-    await ctl.aclose()
+    async with ctl:
+        assert (await ctl.sleep()).bytes_moved == 0
+        await ctl.wake()
+        weight = layer(pipe["transformer"], 0, nn.Linear).weight
+        with torch.no_grad():
+            weight.add_(1.0)
+        expected = fingerprints(pipe)
+        result = await ctl.sleep()
+        assert result.bytes_moved == weight.nbytes
+        await ctl.wake()
+        assert fingerprints(pipe) == expected
 
 
 async def test_held_bytes_are_exact_across_sleeps() -> None:

@@ -85,16 +85,17 @@ async def test_every_transition_waits_for_the_device_before_it_moves() -> None:
     after draining and before their first copy."""
     layer = RecordingDevice()
     ctl, _, _ = await _attached("transformer=component-offload", layer)
-    name, tensor = ctl.strategy("vae").store.named_tensors()[0]
-    for call in (ctl.sleep, ctl.wake,
-                 lambda: ctl.update_weights_from_tensors({name: tensor.detach().clone()}, "vae"),
-                 lambda: ctl.set_residency("transformer=resident"), ctl.detach):
-        layer.calls.clear()
-        await call()
-        moves = [c for c in layer.calls if c.startswith("copy")]
-        assert layer.calls.count("synchronize") == 1, layer.calls
-        if moves:
-            assert layer.calls.index("synchronize") < layer.calls.index(moves[0])
+    async with ctl:
+        name, tensor = ctl.strategy("vae").store.named_tensors()[0]
+        for call in (ctl.sleep, ctl.wake,
+                     lambda: ctl.update_weights_from_tensors({name: tensor.detach().clone()}, "vae"),
+                     lambda: ctl.set_residency("transformer=resident"), ctl.detach):
+            layer.calls.clear()
+            await call()
+            moves = [c for c in layer.calls if c.startswith("copy")]
+            assert layer.calls.count("synchronize") == 1, layer.calls
+            if moves:
+                assert layer.calls.index("synchronize") < layer.calls.index(moves[0])
 
 
 async def test_every_buffer_moved_in_is_handed_to_compute() -> None:
@@ -102,18 +103,18 @@ async def test_every_buffer_moved_in_is_handed_to_compute() -> None:
     on the compute stream) once per placement."""
     layer = RecordingDevice()
     ctl, pipe, expected = await _attached("transformer=layerwise-offload", layer)
-    await ctl.sleep()
-    layer.calls.clear()
-    await ctl.wake()
-    placed = sum(1 for u in ctl.strategy("text_encoder").store.units) + \
-        sum(1 for u in ctl.strategy("vae").store.units) + \
-        len(ctl.strategy("transformer").awake_units())
-    assert layer.calls.count("for_compute") == placed
-    layer.calls.clear()
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    fetched = ctl.strategy("transformer").fetched  # type: ignore[attr-defined]
-    assert layer.calls.count("for_compute") >= fetched > 0
-    await ctl.aclose()
+    async with ctl:
+        await ctl.sleep()
+        layer.calls.clear()
+        await ctl.wake()
+        placed = sum(1 for u in ctl.strategy("text_encoder").store.units) + \
+            sum(1 for u in ctl.strategy("vae").store.units) + \
+            len(ctl.strategy("transformer").awake_units())
+        assert layer.calls.count("for_compute") == placed
+        layer.calls.clear()
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
+        fetched = ctl.strategy("transformer").fetched  # type: ignore[attr-defined]
+        assert layer.calls.count("for_compute") >= fetched > 0
 
 
 async def test_a_dirty_evict_waits_on_its_own_copy_not_the_device() -> None:
@@ -121,14 +122,14 @@ async def test_a_dirty_evict_waits_on_its_own_copy_not_the_device() -> None:
     copy alone; the device is not synchronized in the hook."""
     layer = RecordingDevice()
     ctl, _, _ = await _attached("transformer=layerwise-offload", layer)
-    layer.calls.clear()
-    async with ctl.use("transformer") as dit:
-        block = dit.get_submodule("blocks.0")
-        with torch.no_grad():
-            next(block.parameters()).add_(1.0)  # tracked by the version counter: dirty
-    assert "wait_host host" in layer.calls
-    assert "synchronize" not in layer.calls
-    await ctl.aclose()
+    async with ctl:
+        layer.calls.clear()
+        async with ctl.use("transformer") as dit:
+            block = dit.get_submodule("blocks.0")
+            with torch.no_grad():
+                next(block.parameters()).add_(1.0)  # tracked by the version counter: dirty
+        assert "wait_host host" in layer.calls
+        assert "synchronize" not in layer.calls
 
 
 @pytest.mark.parametrize("mode", ["resident", "layerwise-offload", "component-offload"])
@@ -139,14 +140,14 @@ async def test_a_forward_where_moves_cannot_be_ordered_is_refused_and_changes_no
     that may run computes exactly."""
     layer = RecordingDevice()
     ctl, pipe, expected = await _attached(f"transformer={mode}", layer)
-    before = ctl.report()
-    layer.refuse = True
-    with pytest.raises(UnsupportedCompute):
-        await pipe.generate(ctl=ctl)
-    assert ctl.report() == before
-    layer.refuse = False
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    await ctl.aclose()
+    async with ctl:
+        before = ctl.report()
+        layer.refuse = True
+        with pytest.raises(UnsupportedCompute):
+            await pipe.generate(ctl=ctl)
+        assert ctl.report() == before
+        layer.refuse = False
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
 
 
 async def test_a_request_prefetch_leaves_headroom_for_the_running_component() -> None:
@@ -155,20 +156,19 @@ async def test_a_request_prefetch_leaves_headroom_for_the_running_component() ->
     for free, prefetched in ((None, True), (2**40, True), (2**20, False)):
         layer = RecordingDevice()
         pipe = DemoPipeline.build(2**20)
-        ctl = LifecycleController(device_layer=layer, residency="all=component-offload",
-                                  prefetch_headroom=2**30)
-        await ctl.attach(pipe)
-        layer.free = free
-        moved_early = []
-        async with ctl.request(["text_encoder", "vae"]):
-            async with ctl.use("text_encoder"):
-                for _ in range(50):
-                    await anyio.sleep(0.001)
-                moved_early.append(ctl.report().components["vae"].device_bytes > 0)
-            async with ctl.use("vae"):
-                pass
-        assert moved_early == [prefetched], free
-        await ctl.aclose()
+        async with LifecycleController(device_layer=layer, residency="all=component-offload",
+                                       prefetch_headroom=2**30) as ctl:
+            await ctl.attach(pipe)
+            layer.free = free
+            moved_early = []
+            async with ctl.request(["text_encoder", "vae"]):
+                async with ctl.use("text_encoder"):
+                    for _ in range(50):
+                        await anyio.sleep(0.001)
+                    moved_early.append(ctl.report().components["vae"].device_bytes > 0)
+                async with ctl.use("vae"):
+                    pass
+            assert moved_early == [prefetched], free
 
 
 async def test_a_request_whose_body_raises_returns_every_prefetch_lease() -> None:
@@ -176,15 +176,14 @@ async def test_a_request_whose_body_raises_returns_every_prefetch_lease() -> Non
     or copying, the prefetch is dropped and its lease returned: a later drain does not wait."""
     for delay in (0.0, 0.002, 0.02):
         pipe = DemoPipeline.build(2**20)
-        ctl = LifecycleController("cpu", residency="all=component-offload", drain_timeout=2.0)
-        await ctl.attach(pipe)
-        with pytest.raises(RuntimeError, match="boom"):
-            async with ctl.request(["text_encoder", "transformer"]), ctl.use("text_encoder"):
-                await anyio.sleep(delay)
-                raise RuntimeError("boom")
-        assert ctl.in_flight == 0
-        await ctl.sleep()  # drains at once
-        await ctl.aclose()
+        async with LifecycleController("cpu", residency="all=component-offload", drain_timeout=2.0) as ctl:
+            await ctl.attach(pipe)
+            with pytest.raises(RuntimeError, match="boom"):
+                async with ctl.request(["text_encoder", "transformer"]), ctl.use("text_encoder"):
+                    await anyio.sleep(delay)
+                    raise RuntimeError("boom")
+            assert ctl.in_flight == 0
+            await ctl.sleep()  # drains at once
 
 
 async def test_writes_into_device_placed_tensors_travel_the_device_stream() -> None:
@@ -193,8 +192,9 @@ async def test_writes_into_device_placed_tensors_travel_the_device_stream() -> N
     device tier is CPU memory too."""
     layer = RecordingDevice()
     ctl, _, _ = await _attached("transformer=component-offload", layer)
-    for name, on_device in (("vae", True), ("transformer", False)):
-        state = {n: t.detach().clone() for n, t in ctl.strategy(name).store.named_tensors()}
-        layer.calls.clear()
-        assert (await ctl.update_weights_from_tensors(state, name)).success
-        assert ("copy to device" in layer.calls) is on_device, (name, layer.calls)
+    async with ctl:
+        for name, on_device in (("vae", True), ("transformer", False)):
+            state = {n: t.detach().clone() for n, t in ctl.strategy(name).store.named_tensors()}
+            layer.calls.clear()
+            assert (await ctl.update_weights_from_tensors(state, name)).success
+            assert ("copy to device" in layer.calls) is on_device, (name, layer.calls)

@@ -29,9 +29,10 @@ async def test_async_with_detaches_and_the_controller_can_be_used_again() -> Non
         assert ctl.phase is Phase.AWAKE
     assert ctl.phase is Phase.UNINITIALIZED  # type: ignore[comparison-overlap]
     assert not ctl.components
-    await ctl.attach(small_pipeline())
-    await ctl.aclose()
-    assert ctl.phase is Phase.UNINITIALIZED
+    async with ctl:
+        await ctl.attach(small_pipeline())
+        await ctl.aclose()
+        assert ctl.phase is Phase.UNINITIALIZED
 
 
 async def test_async_with_stops_the_copy_thread_layerwise_forwards_started() -> None:

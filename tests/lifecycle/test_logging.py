@@ -318,20 +318,20 @@ async def test_capture_events_collects_every_event_of_the_block_and_stops_after_
     """lifecycle.testing.capture_events yields the list of the event dicts emitted while the
     block runs (debug ones too, with the bound context), and stops collecting when the block
     ends, also when it ends with an error."""
-    ctl = LifecycleController("cpu")
-    await ctl.attach(small_pipeline())
-    with capture_events() as seen:
-        await ctl.sleep()
-    names = [e["event"] for e in seen]
-    assert names.count(events.TRANSITION_COMMITTED) == 1 and events.MOVE_PREPARED in names
-    assert all(e["transition"] == "sleep" and "transition_id" in e for e in seen)
-    await ctl.wake()
-    assert len(seen) == len(names)  # nothing after the block
-    with pytest.raises(RuntimeError, match="inside"), capture_events() as failed:
-        events.get_logger("lifecycle").debug(events.MOVE_PREPARED, component="vae")
-        raise RuntimeError("inside")
-    await ctl.aclose()
-    assert failed == [{"event": events.MOVE_PREPARED, "component": "vae"}]
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(small_pipeline())
+        with capture_events() as seen:
+            await ctl.sleep()
+        names = [e["event"] for e in seen]
+        assert names.count(events.TRANSITION_COMMITTED) == 1 and events.MOVE_PREPARED in names
+        assert all(e["transition"] == "sleep" and "transition_id" in e for e in seen)
+        await ctl.wake()
+        assert len(seen) == len(names)  # nothing after the block
+        with pytest.raises(RuntimeError, match="inside"), capture_events() as failed:
+            events.get_logger("lifecycle").debug(events.MOVE_PREPARED, component="vae")
+            raise RuntimeError("inside")
+        await ctl.aclose()
+        assert failed == [{"event": events.MOVE_PREPARED, "component": "vae"}]
 
 
 def test_importing_the_library_keeps_structlogs_defaults() -> None:

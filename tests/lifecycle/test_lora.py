@@ -196,32 +196,32 @@ async def test_a_fault_at_every_copy_and_allocation_of_a_merge_rolls_back_weight
     first, second = adapter("0", 4, 32, 16, seed=8), adapter("0", 4, 32, 16, seed=9)
     zero = {"0.lora_A.weight": torch.zeros(4, 16), "0.lora_B.weight": torch.ones(32, 4)}
     probe = FaultyDevice()
-    ctl = LifecycleController(device_layer=probe, residency=f"transformer={mode}")
-    await ctl.attach(small_pipeline())
-    copies, allocs = probe.copies, probe.allocations
-    assert (await merge(ctl, first)).success
-    points = {"copy": probe.copies - copies, "alloc": probe.allocations - allocs}
+    async with LifecycleController(device_layer=probe, residency=f"transformer={mode}") as ctl:
+        await ctl.attach(small_pipeline())
+        copies, allocs = probe.copies, probe.allocations
+        assert (await merge(ctl, first)).success
+        points = {"copy": probe.copies - copies, "alloc": probe.allocations - allocs}
     assert points["copy"] >= 1 and points["alloc"] >= 1
     for kind, n in points.items():
         for k in range(1, n + 1):
             for earlier in ([], [first]):
                 layer = FaultyDevice()
-                ctl = LifecycleController(device_layer=layer, residency=f"transformer={mode}")
-                pipe = small_pipeline()
-                base = bits(weight(pipe["transformer"], 0))
-                await ctl.attach(pipe)
-                for named in earlier:
-                    assert (await merge(ctl, named)).success
-                sums = ctl.weights_checksum(algorithm="full")
-                kept = ctl.report().lora_base_bytes
-                layer.arm(**{f"{kind}_at": k})
-                result = await merge(ctl, second)
-                assert (result.success, result.rolled_back) == (False, True), (kind, k)
-                assert ctl.weights_checksum(algorithm="full") == sums, (kind, k)
-                assert ctl.report().lora_base_bytes == kept == (2048 if earlier else 0)
-                assert (await merge(ctl, zero)).success
-                assert torch.equal(bits(weight(pipe["transformer"], 0)), base), (kind, k)
-                await ctl.aclose()
+                async with LifecycleController(device_layer=layer,
+                                               residency=f"transformer={mode}") as ctl:
+                    pipe = small_pipeline()
+                    base = bits(weight(pipe["transformer"], 0))
+                    await ctl.attach(pipe)
+                    for named in earlier:
+                        assert (await merge(ctl, named)).success
+                    sums = ctl.weights_checksum(algorithm="full")
+                    kept = ctl.report().lora_base_bytes
+                    layer.arm(**{f"{kind}_at": k})
+                    result = await merge(ctl, second)
+                    assert (result.success, result.rolled_back) == (False, True), (kind, k)
+                    assert ctl.weights_checksum(algorithm="full") == sums, (kind, k)
+                    assert ctl.report().lora_base_bytes == kept == (2048 if earlier else 0)
+                    assert (await merge(ctl, zero)).success
+                    assert torch.equal(bits(weight(pipe["transformer"], 0)), base), (kind, k)
 
 
 async def test_bases_are_forgotten_at_detach() -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from typing import Any
 
 import anyio
 import prometheus_client
@@ -27,6 +30,20 @@ from tests.helpers import small_pipeline
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 Key = tuple[str, ...]
+Make = Callable[..., LifecycleController]
+
+
+@pytest.fixture
+async def make() -> AsyncIterator[Make]:
+    """``make(...)``: a LifecycleController, closed after the test however it ends (a
+    background mirror refresh still running would otherwise outlive the test)."""
+    async with AsyncExitStack() as stack:
+        def new(*args: Any, **kwargs: Any) -> LifecycleController:
+            ctl = LifecycleController(*args, **kwargs)
+            stack.push_async_callback(ctl.aclose)
+            return ctl
+
+        yield new
 
 
 def series(metrics: ControllerMetrics, sample: str, *labels: str) -> dict[Key, float]:
@@ -87,10 +104,10 @@ def make_dirty(pipe: dict[str, nn.Module]) -> None:
                 p.mul_(1)
 
 
-async def test_transitions_are_counted_by_trigger_and_outcome() -> None:
+async def test_transitions_are_counted_by_trigger_and_outcome(make: Make) -> None:
     """Attach, sleep, a no-op sleep, wake, a committed and a refused update give exactly
     those counts, durations for the committed ones and the bytes each moved."""
-    ctl = LifecycleController("cpu")
+    ctl = make("cpu")
     pipe = small_pipeline()
     with ControllerMetrics(ctl) as metrics:
         assert counted(metrics) == {} and timed(metrics) == {}
@@ -114,10 +131,10 @@ async def test_transitions_are_counted_by_trigger_and_outcome() -> None:
         assert single(metrics, "residency_weights_version") == ctl.weights_version == 1
 
 
-async def test_unseen_series_are_exported_at_zero() -> None:
+async def test_unseen_series_are_exported_at_zero(make: Make) -> None:
     """Before any transition every trigger's committed count, histogram and byte direction
     are already exported, at zero, and no request series exists yet."""
-    metrics = ControllerMetrics(LifecycleController("cpu"))
+    metrics = ControllerMetrics(make("cpu"))
     transitions = series(metrics, "residency_transitions_total", "trigger", "outcome")
     assert {("sleep", "committed"), ("wake", "cancelled"), ("detach", "noop"),
             ("update_from_disk", "refused")} <= transitions.keys()
@@ -130,11 +147,11 @@ async def test_unseen_series_are_exported_at_zero() -> None:
     metrics.close()
 
 
-async def test_phase_gauge_follows_the_controller() -> None:
+async def test_phase_gauge_follows_the_controller(make: Make) -> None:
     """The phase gauge is 1 for the current phase and 0 for the three others, through
     attach, sleep, wake, a weight update in progress and detach."""
     layer = FaultyDevice()
-    ctl = LifecycleController(device_layer=layer)
+    ctl = make(device_layer=layer)
     pipe = small_pipeline()
     metrics = ControllerMetrics(ctl)
 
@@ -167,11 +184,11 @@ async def test_phase_gauge_follows_the_controller() -> None:
     metrics.close()
 
 
-async def test_placement_and_state_gauges_are_read_at_scrape_time() -> None:
+async def test_placement_and_state_gauges_are_read_at_scrape_time(make: Make) -> None:
     """Device and host bytes per component equal ``ctl.report()`` after every transition,
     components appear with attach and disappear with detach, and in_flight and
     weights_version are the controller's own."""
-    ctl = LifecycleController("cpu", residency="vae=component-offload")
+    ctl = make("cpu", residency="vae=component-offload")
     pipe = small_pipeline()
     with ControllerMetrics(ctl) as metrics:
         assert placement(metrics) == {}
@@ -194,11 +211,11 @@ async def test_placement_and_state_gauges_are_read_at_scrape_time() -> None:
         assert placement(metrics) == {}
 
 
-async def test_rolled_back_sleep_counts_as_rolled_back() -> None:
+async def test_rolled_back_sleep_counts_as_rolled_back(make: Make) -> None:
     """A dirty sleep whose first copy fails counts once as rolled_back, not as committed,
     and adds no duration."""
     layer = FaultyDevice()
-    ctl = LifecycleController(device_layer=layer)
+    ctl = make(device_layer=layer)
     pipe = small_pipeline()
     with ControllerMetrics(ctl) as metrics:
         await ctl.attach(pipe)
@@ -215,10 +232,10 @@ async def test_rolled_back_sleep_counts_as_rolled_back() -> None:
         assert phase_gauge(metrics)["awake"] == 1
 
 
-async def test_cancelled_sleep_counts_as_cancelled() -> None:
+async def test_cancelled_sleep_counts_as_cancelled(make: Make) -> None:
     """A sleep cancelled while it copies counts once as cancelled."""
     layer = FaultyDevice()
-    ctl = LifecycleController(device_layer=layer)
+    ctl = make(device_layer=layer)
     with ControllerMetrics(ctl) as metrics:
         await ctl.attach(small_pipeline())
         layer.copy_delay = 0.005
@@ -234,10 +251,10 @@ async def test_cancelled_sleep_counts_as_cancelled() -> None:
         assert timed(metrics) == {"attach": 1}
 
 
-async def test_controllers_with_different_ranks_do_not_mix_counts() -> None:
+async def test_controllers_with_different_ranks_do_not_mix_counts(make: Make) -> None:
     """Two controllers of one process, ranks 0 and 1: each one's metrics count only its
     own transitions and bytes."""
-    ctl0, ctl1 = LifecycleController("cpu", rank=0), LifecycleController("cpu", rank=1)
+    ctl0, ctl1 = make("cpu", rank=0), make("cpu", rank=1)
     with ControllerMetrics(ctl0) as m0, ControllerMetrics(ctl1) as m1:
         await ctl0.attach(small_pipeline())
         await ctl1.attach(small_pipeline(seed=1))
@@ -251,10 +268,10 @@ async def test_controllers_with_different_ranks_do_not_mix_counts() -> None:
         assert phase_gauge(m0)["awake"] == phase_gauge(m1)["sleeping"] == 1
 
 
-async def test_events_after_close_are_not_counted() -> None:
+async def test_events_after_close_are_not_counted(make: Make) -> None:
     """After close() (called twice: idempotent) transitions no longer count, while the
     scrape still answers with the current state."""
-    ctl = LifecycleController("cpu")
+    ctl = make("cpu")
     metrics = ControllerMetrics(ctl)
     await ctl.attach(small_pipeline())
     metrics.close()
@@ -272,10 +289,10 @@ async def test_events_after_close_are_not_counted() -> None:
     assert counted(scoped) == {}
 
 
-async def test_metrics_dropped_without_close_stop_counting() -> None:
+async def test_metrics_dropped_without_close_stop_counting(make: Make) -> None:
     """An unreferenced ControllerMetrics is not kept alive by its event sink, and the
     controller's later events then go nowhere."""
-    ctl = LifecycleController("cpu")
+    ctl = make("cpu")
     metrics = ControllerMetrics(ctl)
     ref = weakref.ref(metrics)
     del metrics
@@ -324,12 +341,12 @@ def test_a_sync_controller_is_watched_through_its_controller() -> None:
         assert phase_gauge(metrics)["sleeping"] == 1
 
 
-async def test_two_controllers_of_one_rank_keep_their_own_counts() -> None:
+async def test_two_controllers_of_one_rank_keep_their_own_counts(make: Make) -> None:
     """Events name their controller: two controllers with the same rank in one process
     never count each other's transitions."""
     from tests.helpers import small_pipeline
 
-    a, b = LifecycleController("cpu"), LifecycleController("cpu")
+    a, b = make("cpu"), make("cpu")
     with ControllerMetrics(a) as ma, ControllerMetrics(b) as mb:
         await a.attach(small_pipeline())
         await b.attach(small_pipeline())
@@ -337,5 +354,3 @@ async def test_two_controllers_of_one_rank_keep_their_own_counts() -> None:
         text_a, text_b = ma.render().decode(), mb.render().decode()
     assert 'residency_transitions_total{outcome="committed",trigger="sleep"} 1.0' in text_a
     assert 'residency_transitions_total{outcome="committed",trigger="sleep"} 0.0' in text_b
-    await a.aclose()
-    await b.aclose()

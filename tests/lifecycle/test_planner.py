@@ -47,30 +47,30 @@ async def test_plans_from_full_size_to_the_smallest_feasible_budget_fit_and_stay
     applied and run has a measured peak within the budget (and within its prediction), and
     outputs bit-identical to resident; predicted latency never falls as the budget shrinks."""
     ctl, pipe, expected, warmup = await _demo()
-    full = ctl.report().components
-    total = sum(c.total_bytes for c in full.values())
-    with pytest.raises(InfeasibleBudget) as info:
-        await ctl.plan(0, warmup)
-    smallest = info.value.minimum_bytes
-    assert 0 < smallest < total
-    budgets = [int(smallest + (total - smallest) * i / 9) for i in range(9, -1, -1)]
-    previous = 0.0
-    modes = set()
-    for budget in budgets:
-        plan = await ctl.plan(budget, warmup)
-        assert plan.predicted_peak_bytes <= budget
-        assert plan.predicted_seconds >= previous - 1e-12  # smaller budget: never faster
-        previous = plan.predicted_seconds
-        change = await ctl.set_residency(plan, latency_tolerance=100.0)
-        assert change.validated and change.success, change.message
-        assert change.measured_peak_bytes is not None
-        assert change.measured_peak_bytes <= plan.predicted_peak_bytes <= budget
-        ctl.reset_peak()
-        assert torch.equal(await pipe.generate(ctl=ctl), expected)
-        assert ctl.report().peak_device_bytes <= budget
-        modes.add(tuple(sorted((d.name, d.mode.value) for d in plan.decisions)))
-    assert len(modes) >= 3  # the budgets really chose different layouts
-    await ctl.aclose()
+    async with ctl:
+        full = ctl.report().components
+        total = sum(c.total_bytes for c in full.values())
+        with pytest.raises(InfeasibleBudget) as info:
+            await ctl.plan(0, warmup)
+        smallest = info.value.minimum_bytes
+        assert 0 < smallest < total
+        budgets = [int(smallest + (total - smallest) * i / 9) for i in range(9, -1, -1)]
+        previous = 0.0
+        modes = set()
+        for budget in budgets:
+            plan = await ctl.plan(budget, warmup)
+            assert plan.predicted_peak_bytes <= budget
+            assert plan.predicted_seconds >= previous - 1e-12  # smaller budget: never faster
+            previous = plan.predicted_seconds
+            change = await ctl.set_residency(plan, latency_tolerance=100.0)
+            assert change.validated and change.success, change.message
+            assert change.measured_peak_bytes is not None
+            assert change.measured_peak_bytes <= plan.predicted_peak_bytes <= budget
+            ctl.reset_peak()
+            assert torch.equal(await pipe.generate(ctl=ctl), expected)
+            assert ctl.report().peak_device_bytes <= budget
+            modes.add(tuple(sorted((d.name, d.mode.value) for d in plan.decisions)))
+        assert len(modes) >= 3  # the budgets really chose different layouts
 
 
 def _exhaustive(m: Measurements, budget: int) -> float:
@@ -134,69 +134,69 @@ async def test_an_infeasible_budget_names_the_smallest_feasible_one() -> None:
     """InfeasibleBudget is a LifecycleError whose minimum_bytes plans, one byte less does
     not, and whose message names the layout that runs there."""
     ctl, _, _, warmup = await _demo()
-    with pytest.raises(InfeasibleBudget) as info:
-        await ctl.plan(1000, warmup)
-    exc = info.value
-    assert isinstance(exc, LifecycleError)
-    assert "smallest feasible budget" in str(exc) and "transformer=" in str(exc)
-    plan = await ctl.plan(exc.minimum_bytes)
-    assert plan.predicted_peak_bytes == exc.minimum_bytes
-    with pytest.raises(InfeasibleBudget):
-        await ctl.plan(exc.minimum_bytes - 1)
-    await ctl.aclose()
+    async with ctl:
+        with pytest.raises(InfeasibleBudget) as info:
+            await ctl.plan(1000, warmup)
+        exc = info.value
+        assert isinstance(exc, LifecycleError)
+        assert "smallest feasible budget" in str(exc) and "transformer=" in str(exc)
+        plan = await ctl.plan(exc.minimum_bytes)
+        assert plan.predicted_peak_bytes == exc.minimum_bytes
+        with pytest.raises(InfeasibleBudget):
+            await ctl.plan(exc.minimum_bytes - 1)
 
 
 async def test_plan_changes_nothing_and_explains_itself() -> None:
     """plan() moves nothing; explain() has a row per component with bytes, mode, tuning,
     moved bytes and why, the prediction, and the runners-up with how much slower each is."""
     ctl, _, _, warmup = await _demo()
-    before = ctl.report()
-    plan = await ctl.plan("60%", warmup)
-    assert ctl.report().components == before.components
-    assert isinstance(plan, ResidencyPlan)
-    text = plan.explain()
-    for name in ("text_encoder", "transformer", "vae"):
-        assert name in text
-    assert "predicted: peak" in text and "runners-up:" in text
-    assert plan.runners_up and all(r.worse_by >= 0 for r in plan.runners_up)
-    assert all(r.predicted_seconds >= plan.predicted_seconds for r in plan.runners_up)
-    as_dict = plan.as_dict()
-    assert as_dict["config"] == plan.config.to_string()
-    assert plan.moved_bytes_per_request == sum(d.option.moved for d in plan.decisions)
-    await ctl.aclose()
+    async with ctl:
+        before = ctl.report()
+        plan = await ctl.plan("60%", warmup)
+        assert ctl.report().components == before.components
+        assert isinstance(plan, ResidencyPlan)
+        text = plan.explain()
+        for name in ("text_encoder", "transformer", "vae"):
+            assert name in text
+        assert "predicted: peak" in text and "runners-up:" in text
+        assert plan.runners_up and all(r.worse_by >= 0 for r in plan.runners_up)
+        assert all(r.predicted_seconds >= plan.predicted_seconds for r in plan.runners_up)
+        as_dict = plan.as_dict()
+        assert as_dict["config"] == plan.config.to_string()
+        assert plan.moved_bytes_per_request == sum(d.option.moved for d in plan.decisions)
 
 
 async def test_measurements_are_taken_once_and_reused() -> None:
     """Plans for different budgets share one measurement (the warm-up runs once) until
     remeasure=True."""
     ctl, pipe, _, _ = await _demo()
-    runs = 0
+    async with ctl:
+        runs = 0
 
-    async def warmup() -> None:
-        nonlocal runs
-        runs += 1
-        await pipe.generate(ctl=ctl)
+        async def warmup() -> None:
+            nonlocal runs
+            runs += 1
+            await pipe.generate(ctl=ctl)
 
-    await ctl.plan("90%", warmup)
-    await ctl.plan("70%", warmup)
-    assert runs == 1
-    await ctl.plan("70%", warmup, remeasure=True)
-    assert runs == 2
-    await ctl.aclose()
+        await ctl.plan("90%", warmup)
+        await ctl.plan("70%", warmup)
+        assert runs == 1
+        await ctl.plan("70%", warmup, remeasure=True)
+        assert runs == 2
 
 
 async def test_the_warm_up_measures_uses_in_order_with_forwards_and_prefetch() -> None:
     """The warm-up records each use in order, the denoiser's forwards per use, and which
     uses a request prefetch can bring in while the previous one runs."""
     ctl, _pipe, _, warmup = await _demo()
-    await ctl.plan("90%", warmup)
-    m = ctl._measurer.measurements
-    assert m is not None and m.source == "warm-up"
-    assert [u.name for u in m.uses] == ["text_encoder", "transformer", "vae"]
-    assert [u.forwards for u in m.uses] == [1, 3, 1]
-    assert [u.prefetched for u in m.uses] == [False, True, True]
-    assert all(u.seconds > 0 for u in m.uses) and m.bandwidth > 0
-    await ctl.aclose()
+    async with ctl:
+        await ctl.plan("90%", warmup)
+        m = ctl._measurer.measurements
+        assert m is not None and m.source == "warm-up"
+        assert [u.name for u in m.uses] == ["text_encoder", "transformer", "vae"]
+        assert [u.forwards for u in m.uses] == [1, 3, 1]
+        assert [u.prefetched for u in m.uses] == [False, True, True]
+        assert all(u.seconds > 0 for u in m.uses) and m.bandwidth > 0
 
 
 async def test_a_validation_request_over_budget_or_too_slow_restores_the_previous_layout() -> None:
@@ -204,30 +204,30 @@ async def test_a_validation_request_over_budget_or_too_slow_restores_the_previou
     denoiser running while the text encoder is still in), or which runs far slower than
     predicted, undoes the plan and says why."""
     ctl, pipe, expected, warmup = await _demo()
-    before = ctl.config
-    with pytest.raises(InfeasibleBudget) as info:
-        await ctl.plan(0, warmup)
-    plan = await ctl.plan(info.value.minimum_bytes)  # the tightest: components offloaded
+    async with ctl:
+        before = ctl.config
+        with pytest.raises(InfeasibleBudget) as info:
+            await ctl.plan(0, warmup)
+        plan = await ctl.plan(info.value.minimum_bytes)  # the tightest: components offloaded
 
-    async def overlapping() -> None:
-        async with ctl.use("text_encoder") as te, ctl.use("transformer") as dit:
-            pipe._denoise(dit, pipe._encode(te, None), steps=1, seed=0)
+        async def overlapping() -> None:
+            async with ctl.use("text_encoder") as te, ctl.use("transformer") as dit:
+                pipe._denoise(dit, pipe._encode(te, None), steps=1, seed=0)
 
-    change = await ctl.set_residency(plan, validate=overlapping, latency_tolerance=100.0)
-    assert change.rolled_back and not change.success
-    assert "exceeds the budget" in change.message
-    assert ctl.config == before
+        change = await ctl.set_residency(plan, validate=overlapping, latency_tolerance=100.0)
+        assert change.rolled_back and not change.success
+        assert "exceeds the budget" in change.message
+        assert ctl.config == before
 
-    async def slow() -> None:
-        await warmup()
-        await anyio.sleep(plan.predicted_seconds * 2 + 0.05)
+        async def slow() -> None:
+            await warmup()
+            await anyio.sleep(plan.predicted_seconds * 2 + 0.05)
 
-    plan = await ctl.plan("60%")
-    change = await ctl.set_residency(plan, validate=slow)
-    assert change.rolled_back and "predicted" in change.message
-    assert ctl.config == before
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    await ctl.aclose()
+        plan = await ctl.plan("60%")
+        change = await ctl.set_residency(plan, validate=slow)
+        assert change.rolled_back and "predicted" in change.message
+        assert ctl.config == before
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
 
 
 async def test_auto_residency_plans_at_attach_under_the_budget() -> None:
@@ -237,22 +237,22 @@ async def test_auto_residency_plans_at_attach_under_the_budget() -> None:
     expected = pipe.forward_sync(steps=3)
     # In bytes: a share would be of the device's free memory where the layer knows it.
     budget = int(0.7 * pipe.nbytes)
-    ctl = LifecycleController("cpu", residency="auto", device_budget=budget)
-    await ctl.attach(pipe)
-    plan = ctl.last_plan
-    assert plan is not None
-    assert plan.budget_bytes == budget
-    assert ctl.config == plan.config
-    modes = {n: ctl.strategy(n).mode for n in ctl.components}
-    assert modes != dict.fromkeys(modes, ResidencyMode.RESIDENT)
-    ctl.reset_peak()
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    assert ctl.report().peak_device_bytes <= plan.budget_bytes
-    await ctl.aclose()
-    with pytest.raises(ValueError, match="device_budget"):
-        LifecycleController("cpu", residency="auto")
-    with pytest.raises(ValueError, match="auto"):
-        LifecycleController("cpu", device_budget="1GiB")
+    async with LifecycleController("cpu", residency="auto", device_budget=budget) as ctl:
+        await ctl.attach(pipe)
+        plan = ctl.last_plan
+        assert plan is not None
+        assert plan.budget_bytes == budget
+        assert ctl.config == plan.config
+        modes = {n: ctl.strategy(n).mode for n in ctl.components}
+        assert modes != dict.fromkeys(modes, ResidencyMode.RESIDENT)
+        ctl.reset_peak()
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
+        assert ctl.report().peak_device_bytes <= plan.budget_bytes
+        await ctl.aclose()
+        with pytest.raises(ValueError, match="device_budget"):
+            LifecycleController("cpu", residency="auto")
+        with pytest.raises(ValueError, match="auto"):
+            LifecycleController("cpu", device_budget="1GiB")
 
 
 @pytest.mark.parametrize(("budget", "expected"), [
@@ -276,11 +276,11 @@ async def test_declared_uses_replace_the_warm_up() -> None:
     """uses=[...] declares the request (names, seconds, forwards) instead of a warm-up; an
     unknown component is refused with the known ones."""
     ctl, _, _, _ = await _demo()
-    plan = await ctl.plan("70%", uses=["text_encoder", ("transformer", 0.2, 4), ("vae", 0.01)])
-    m = ctl._measurer.measurements
-    assert m is not None and m.source == "declared" and plan.measured_from == "declared"
-    assert [(u.name, u.forwards, u.seconds) for u in m.uses] == [
-        ("text_encoder", 1, 0.0), ("transformer", 4, 0.2), ("vae", 1, 0.01)]
-    with pytest.raises(KeyError, match="components"):
-        await ctl.plan("70%", uses=["unet"])
-    await ctl.aclose()
+    async with ctl:
+        plan = await ctl.plan("70%", uses=["text_encoder", ("transformer", 0.2, 4), ("vae", 0.01)])
+        m = ctl._measurer.measurements
+        assert m is not None and m.source == "declared" and plan.measured_from == "declared"
+        assert [(u.name, u.forwards, u.seconds) for u in m.uses] == [
+            ("text_encoder", 1, 0.0), ("transformer", 4, 0.2), ("vae", 1, 0.01)]
+        with pytest.raises(KeyError, match="components"):
+            await ctl.plan("70%", uses=["unet"])

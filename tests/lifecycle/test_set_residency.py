@@ -61,40 +61,40 @@ async def test_every_pair_of_modes_switches_while_awake_with_identical_outputs(
     """Switching two components from any mode to any mode while awake keeps outputs
     bit-identical and leaves each component placed as its new mode places it."""
     ctl, pipe, expected = await _attached(before)
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    change = await ctl.set_residency(_config(after))
-    assert change.success
-    for name in ("transformer", "text_encoder"):
-        assert ctl.strategy(name).mode is ResidencyMode(after)
-        placed = ctl.report().components[name]
-        if after == "resident":
-            assert placed.device_bytes == placed.total_bytes
-        elif after in ("component-offload", "snapshot-offload"):
-            assert placed.device_bytes == 0
-        else:
-            assert 0 < placed.device_bytes < placed.total_bytes
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    await ctl.sleep()
-    await ctl.wake()
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    await ctl.aclose()
+    async with ctl:
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
+        change = await ctl.set_residency(_config(after))
+        assert change.success
+        for name in ("transformer", "text_encoder"):
+            assert ctl.strategy(name).mode is ResidencyMode(after)
+            placed = ctl.report().components[name]
+            if after == "resident":
+                assert placed.device_bytes == placed.total_bytes
+            elif after in ("component-offload", "snapshot-offload"):
+                assert placed.device_bytes == 0
+            else:
+                assert 0 < placed.device_bytes < placed.total_bytes
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
+        await ctl.sleep()
+        await ctl.wake()
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
 
 
 async def test_a_change_moves_only_what_must_move() -> None:
     """A tuning-only change and a change between the two offload modes copy no byte, and a
     component whose residency stays is not touched at all."""
     ctl, pipe, expected = await _attached("layerwise-offload")
-    vae_before = _layout(ctl)["vae"]
-    change = await ctl.set_residency(ctl.config.parse(
-        _config("layerwise-offload"), prefetch="transformer=2", resident_layers="transformer=1"))
-    assert change.bytes_copied == 0 and set(change.changed) == {"transformer"}
-    assert ctl.strategy("transformer").prefetch == 2  # type: ignore[attr-defined]
-    await ctl.set_residency(_config("component-offload"))
-    change = await ctl.set_residency(_config("snapshot-offload"))
-    assert change.bytes_copied == 0
-    assert _layout(ctl)["vae"] == vae_before
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    await ctl.aclose()
+    async with ctl:
+        vae_before = _layout(ctl)["vae"]
+        change = await ctl.set_residency(ctl.config.parse(
+            _config("layerwise-offload"), prefetch="transformer=2", resident_layers="transformer=1"))
+        assert change.bytes_copied == 0 and set(change.changed) == {"transformer"}
+        assert ctl.strategy("transformer").prefetch == 2  # type: ignore[attr-defined]
+        await ctl.set_residency(_config("component-offload"))
+        change = await ctl.set_residency(_config("snapshot-offload"))
+        assert change.bytes_copied == 0
+        assert _layout(ctl)["vae"] == vae_before
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
 
 
 @pytest.mark.parametrize("before", MODES)
@@ -103,28 +103,29 @@ async def test_a_change_while_sleeping_only_changes_what_wake_restores(before: s
     identical outputs."""
     after = "layerwise-offload" if before != "layerwise-offload" else "resident"
     ctl, pipe, expected = await _attached(before)
-    await ctl.sleep()
-    await ctl.set_residency(_config(after))
-    assert ctl.phase is Phase.SLEEPING and ctl.report().device_bytes == 0
-    await ctl.wake()
-    assert ctl.strategy("transformer").mode is ResidencyMode(after)
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    await ctl.aclose()
+    async with ctl:
+        await ctl.sleep()
+        await ctl.set_residency(_config(after))
+        assert ctl.phase is Phase.SLEEPING and ctl.report().device_bytes == 0
+        await ctl.wake()
+        assert ctl.strategy("transformer").mode is ResidencyMode(after)
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
 
 
 async def test_bad_residency_is_refused_before_anything_moves() -> None:
     """An unknown component, layerwise on a module without block lists and a change before
     attach are refused with typed errors, the layout untouched."""
     ctl, _pipe, _expected = await _attached()
-    before = _layout(ctl)
-    with pytest.raises(ValueError, match="matches no component"):
-        await ctl.set_residency("transformr=component-offload")
-    with pytest.raises(ComponentResidencyError, match="vae"):
-        await ctl.set_residency("vae=layerwise-offload")
-    assert _layout(ctl) == before
-    await ctl.aclose()
-    with pytest.raises(TransitionRejected, match="not initialized"):
-        await ctl.set_residency("all=resident")
+    async with ctl:
+        before = _layout(ctl)
+        with pytest.raises(ValueError, match="matches no component"):
+            await ctl.set_residency("transformr=component-offload")
+        with pytest.raises(ComponentResidencyError, match="vae"):
+            await ctl.set_residency("vae=layerwise-offload")
+        assert _layout(ctl) == before
+        await ctl.aclose()
+        with pytest.raises(TransitionRejected, match="not initialized"):
+            await ctl.set_residency("all=resident")
 
 
 # Every ordered pair of different modes, awake; and every change to or from resident asleep.
@@ -141,63 +142,63 @@ async def test_a_fault_at_any_allocation_or_copy_leaves_the_old_layout(
     succeeds on the same controller."""
     layer = FaultyDevice()
     ctl, pipe, expected = await _attached(before, layer)
-    if sleeping:
-        await ctl.sleep()
-    before_layout = _layout(ctl)
-    # A probe run on a twin controller counts the change's allocations and copies.
-    probe = FaultyDevice()
-    twin, _, _ = await _attached(before, probe)
-    if sleeping:
-        await twin.sleep()
-    a0, c0 = probe.allocations, probe.copies
-    await twin.set_residency(_config(after))
-    allocs, copies = probe.allocations - a0, probe.copies - c0
-    await twin.aclose()
-    if {before, after} == {"component-offload", "snapshot-offload"}:
-        assert allocs == copies == 0  # the same grouping: nothing moves, nothing can fail
-    else:
-        assert allocs and copies
-    points = [("alloc", k) for k in range(1, allocs + 1)] + \
-        [("copy", k) for k in range(1, copies + 1)]
-    for i, (kind, k) in enumerate(points):
-        if kind == "alloc":
-            layer.fail_alloc_at = layer.allocations + k
+    async with ctl:
+        if sleeping:
+            await ctl.sleep()
+        before_layout = _layout(ctl)
+        # A probe run on a twin controller counts the change's allocations and copies.
+        probe = FaultyDevice()
+        twin, _, _ = await _attached(before, probe)
+        async with twin:
+            if sleeping:
+                await twin.sleep()
+            a0, c0 = probe.allocations, probe.copies
+            await twin.set_residency(_config(after))
+            allocs, copies = probe.allocations - a0, probe.copies - c0
+        if {before, after} == {"component-offload", "snapshot-offload"}:
+            assert allocs == copies == 0  # the same grouping: nothing moves, nothing can fail
         else:
-            layer.fail_copy_at = layer.copies + k
-        with pytest.raises(TransitionFailed) as info:
-            await ctl.set_residency(_config(after))
-        layer.fail_alloc_at = layer.fail_copy_at = None
-        assert isinstance(info.value.cause, InjectedFault), (kind, k)
-        assert _layout(ctl) == before_layout, (kind, k)
-        if not sleeping and i % 8 == 0:  # the layout check above is exact; outputs too, often
-            assert torch.equal(await pipe.generate(ctl=ctl), expected), (kind, k)
-            assert _layout(ctl) == before_layout
-    await ctl.set_residency(_config(after))
-    if sleeping:
-        await ctl.wake()
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    await ctl.aclose()
+            assert allocs and copies
+        points = [("alloc", k) for k in range(1, allocs + 1)] + \
+            [("copy", k) for k in range(1, copies + 1)]
+        for i, (kind, k) in enumerate(points):
+            if kind == "alloc":
+                layer.fail_alloc_at = layer.allocations + k
+            else:
+                layer.fail_copy_at = layer.copies + k
+            with pytest.raises(TransitionFailed) as info:
+                await ctl.set_residency(_config(after))
+            layer.fail_alloc_at = layer.fail_copy_at = None
+            assert isinstance(info.value.cause, InjectedFault), (kind, k)
+            assert _layout(ctl) == before_layout, (kind, k)
+            if not sleeping and i % 8 == 0:  # the layout check above is exact; outputs too, often
+                assert torch.equal(await pipe.generate(ctl=ctl), expected), (kind, k)
+                assert _layout(ctl) == before_layout
+        await ctl.set_residency(_config(after))
+        if sleeping:
+            await ctl.wake()
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
 
 
 async def test_a_change_waits_for_uses_in_flight() -> None:
     """A change drains uses like any transition: a use in progress finishes on the old
     layout, the change lands after it."""
     ctl, pipe, expected = await _attached()
-    order = []
-    async with anyio.create_task_group() as tg:
-        async def use() -> None:
-            async with ctl.use("transformer"):
-                order.append("use starts")
-                await anyio.sleep(0.05)
-                order.append("use ends")
+    async with ctl:
+        order = []
+        async with anyio.create_task_group() as tg:
+            async def use() -> None:
+                async with ctl.use("transformer"):
+                    order.append("use starts")
+                    await anyio.sleep(0.05)
+                    order.append("use ends")
 
-        tg.start_soon(use)
-        await anyio.sleep(0.01)
-        await ctl.set_residency(_config("component-offload"))
-        order.append("changed")
-    assert order == ["use starts", "use ends", "changed"]
-    assert torch.equal(await pipe.generate(ctl=ctl), expected)
-    await ctl.aclose()
+            tg.start_soon(use)
+            await anyio.sleep(0.01)
+            await ctl.set_residency(_config("component-offload"))
+            order.append("changed")
+        assert order == ["use starts", "use ends", "changed"]
+        assert torch.equal(await pipe.generate(ctl=ctl), expected)
 
 
 class CountingDevice(CpuDevice):

@@ -58,12 +58,9 @@ def assert_outputs_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 def reference_checksum(pipe: dict[str, torch.nn.Module], backend: Backend) -> dict[str, str]:
     """The checksum a fresh async controller computes for ``pipe``."""
     async def run() -> dict[str, str]:
-        ctl = LifecycleController("cpu")
-        await ctl.attach(pipe)
-        try:
+        async with LifecycleController("cpu") as ctl:
+            await ctl.attach(pipe)
             return ctl.weights_checksum()
-        finally:
-            await ctl.aclose()
 
     return anyio.run(run, backend=backend)
 

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
@@ -167,19 +168,19 @@ async def test_layerwise_reserved_memory_stays_within_the_bound_while_compute_la
     gpu = SimCuda(exact_segments=True, max_lag=0.02)
     ctl, model, reference, strategy = await serve_layerwise(CudaDevice(torch.device("cpu"), gpu),
                                                             layerwise(prefetch, resident))
-    x = torch.randn(4, DIM)
-    ctl.reset_peak()
-    with torch.no_grad():
-        expected = reference(x)
-        async with ctl.use("net"):
-            for _ in range(4):
-                assert torch.equal(model(x), expected)
-        assert torch.equal(model(x), expected)  # outside use() too
-    report = ctl.report()
-    bound = strategy.peak_bound() + 512 * len(strategy.store.units)
-    assert report.reserved_peak_bytes is not None
-    assert report.reserved_peak_bytes <= bound, (report.reserved_peak_bytes, bound)
-    await ctl.aclose()
+    async with ctl:
+        x = torch.randn(4, DIM)
+        ctl.reset_peak()
+        with torch.no_grad():
+            expected = reference(x)
+            async with ctl.use("net"):
+                for _ in range(4):
+                    assert torch.equal(model(x), expected)
+            assert torch.equal(model(x), expected)  # outside use() too
+        report = ctl.report()
+        bound = strategy.peak_bound() + 512 * len(strategy.store.units)
+        assert report.reserved_peak_bytes is not None
+        assert report.reserved_peak_bytes <= bound, (report.reserved_peak_bytes, bound)
 
 
 async def test_free_bytes_do_not_count_blocks_still_waiting_for_a_stream() -> None:
@@ -217,17 +218,17 @@ async def test_pinned_memory_is_registered_and_unregistered_with_the_layers_devi
 
     gpu.empty_cache = empty_cache  # type: ignore[method-assign]
     module = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    ctl = LifecycleController(device_layer=layer, residency="net=component-offload")
-    await ctl.attach({"net": module})
-    unit = ctl.strategy("net").store.units[0]
-    assert unit.host is not None and gpu.is_pinned(unit.host)
-    await ctl.sleep()
-    await ctl.wake()
-    await ctl.detach()
-    await ctl.aclose()
-    assert threads and threading.main_thread().name not in threads
-    assert not gpu._pinned  # every registration given back
-    assert check_cuda_sim() == []
+    async with LifecycleController(device_layer=layer, residency="net=component-offload") as ctl:
+        await ctl.attach({"net": module})
+        unit = ctl.strategy("net").store.units[0]
+        assert unit.host is not None and gpu.is_pinned(unit.host)
+        await ctl.sleep()
+        await ctl.wake()
+        await ctl.detach()
+        await ctl.aclose()
+        assert threads and threading.main_thread().name not in threads
+        assert not gpu._pinned  # every registration given back
+        assert check_cuda_sim() == []
 
 
 def test_mirrors_stay_mapped_at_interpreter_exit(tmp_path: Path) -> None:
@@ -300,12 +301,12 @@ async def test_a_prefetch_nobody_uses_is_dropped_without_compute_waiting_for_it(
     gpu = SimCuda()
     ctl, model, reference, strategy = await serve_layerwise(CudaDevice(torch.device("cpu"), gpu),
                                                             layerwise(1.0, 0.0))
-    x = torch.randn(2, DIM)
-    with torch.no_grad():
-        assert torch.equal(model(x), reference(x))
-    assert strategy.fetched == len(model.blocks) + 1  # the last one: the next pass's first
-    assert gpu.compute_waits == len(model.blocks)
-    await ctl.aclose()
+    async with ctl:
+        x = torch.randn(2, DIM)
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+        assert strategy.fetched == len(model.blocks) + 1  # the last one: the next pass's first
+        assert gpu.compute_waits == len(model.blocks)
 
 
 async def test_a_layerwise_forward_outside_use_during_an_update_is_refused() -> None:
@@ -427,18 +428,19 @@ async def test_each_layer_refreshes_in_a_thread_of_its_own_that_close_stops() ->
     seen: list[set[int]] = []
     before = refresh_threads()
     ctls = []
-    for seed in range(2):
-        torch.manual_seed(seed)
-        module = nn.Sequential(nn.Linear(8, 8))
-        ctl = LifecycleController(device_layer=FaultyDevice())
-        await ctl.attach({"net": module})
-        await ctl.sleep()
-        await ctl.wake()  # mirrors exist: an update leaves them to refresh
-        result = await ctl.update_weights_from_tensors({"0.weight": torch.zeros(8, 8)}, "net")
-        assert result.success
-        ctls.append(ctl)
-        seen.append(refresh_threads() - before)
-    assert len(seen[0]) == 1 and len(seen[1] - seen[0]) == 1
-    for ctl in ctls:
-        await ctl.aclose()
-    assert refresh_threads() - before == set()
+    async with AsyncExitStack() as stack:  # closed however the test ends
+        for seed in range(2):
+            torch.manual_seed(seed)
+            module = nn.Sequential(nn.Linear(8, 8))
+            ctl = await stack.enter_async_context(LifecycleController(device_layer=FaultyDevice()))
+            await ctl.attach({"net": module})
+            await ctl.sleep()
+            await ctl.wake()  # mirrors exist: an update leaves them to refresh
+            result = await ctl.update_weights_from_tensors({"0.weight": torch.zeros(8, 8)}, "net")
+            assert result.success
+            ctls.append(ctl)
+            seen.append(refresh_threads() - before)
+        assert len(seen[0]) == 1 and len(seen[1] - seen[0]) == 1
+        for ctl in ctls:
+            await ctl.aclose()
+        assert refresh_threads() - before == set()
