@@ -257,6 +257,12 @@ def run(args: argparse.Namespace) -> int:
         except InfeasibleBudget as exc:  # --device-budget too small: bad usage, say why
             refused.append(str(exc))
             raise
+        if driver is not None:  # ready when every rank answers, not when this one is
+            try:
+                await driver.wait_for_ranks(args.collective_timeout)
+            except RuntimeError as exc:  # RanksUnavailable: exit 2 naming the rank
+                refused.append(str(exc))
+                raise
         report = ctl.report()
         print(f"residency serve: http://{args.host}:{port} pipeline {described}, "
               f"{report.device_bytes + report.host_bytes:,} bytes on {ctl.device}, residency "

@@ -320,6 +320,16 @@ class RankDriver(Driver):
     def world_size(self) -> int:
         return self.channel.world_size
 
+    async def wait_for_ranks(self, timeout: float) -> None:
+        """Wait until every other rank's heartbeat is there (each starts it once attached);
+        raises :class:`RanksUnavailable` after ``timeout`` seconds. Until then a call would be
+        answered 503 for a rank that is only late to start."""
+        deadline = time.monotonic() + timeout
+        while silent := await anyio.to_thread.run_sync(self.channel.silent_ranks):
+            if time.monotonic() > deadline:
+                raise RanksUnavailable(f"rank(s) {silent} did not start within {timeout:g} s")
+            await anyio.sleep(HEARTBEAT_S / 10)
+
     async def _call(self, name: str,
                     args: Mapping[str, Any] | Callable[[int], Awaitable[Mapping[str, Any]]],
                     here: Callable[[int], Awaitable[Any]], **extra: Any
