@@ -21,45 +21,47 @@ async def test_a_state_dict_listing_a_tied_tensor_under_both_names_updates(mode:
     """``update_weights_from_tensors(module.state_dict())`` works when the module has tied
     weights (T5's shared / embed_tokens pattern): both names carry the same value."""
     pipe = small_pipeline()
-    ctl = LifecycleController("cpu", residency=f"text_encoder={mode}")
-    await ctl.attach(pipe)
-    torch.manual_seed(1)
-    source = small_pipeline(seed=1)["text_encoder"]
-    state = source.state_dict()
-    assert state["embed.weight"].data_ptr() == state["head.weight"].data_ptr()  # tied
-    result = await ctl.update_weights_from_tensors(state, target_module="text_encoder")
-    assert result.success, result.message
-    reference = LifecycleController("cpu")
-    await reference.attach({"text_encoder": source})
-    assert ctl.weights_checksum(["text_encoder"]) == reference.weights_checksum()
-    # Equal values given as separate tensors (a copy per name) are accepted too.
-    copied = {k: v.clone() for k, v in state.items()}
-    assert (await ctl.update_weights_from_tensors(copied, "text_encoder")).success
+    async with LifecycleController("cpu", residency=f"text_encoder={mode}") as ctl, \
+            LifecycleController("cpu") as reference:
+        await ctl.attach(pipe)
+        torch.manual_seed(1)
+        source = small_pipeline(seed=1)["text_encoder"]
+        state = source.state_dict()
+        assert state["embed.weight"].data_ptr() == state["head.weight"].data_ptr()  # tied
+        result = await ctl.update_weights_from_tensors(state, target_module="text_encoder")
+        assert result.success, result.message
+        await reference.attach({"text_encoder": source})
+        assert ctl.weights_checksum(["text_encoder"]) == reference.weights_checksum()
+        # Equal values given as separate tensors (a copy per name) are accepted too.
+        copied = {k: v.clone() for k, v in state.items()}
+        assert (await ctl.update_weights_from_tensors(copied, "text_encoder")).success
 
 
 async def test_tied_names_with_different_values_are_refused_naming_both() -> None:
     """Two values for one tied tensor: refused, both names in the message, nothing written."""
     pipe = small_pipeline()
-    ctl = LifecycleController("cpu")
-    await ctl.attach(pipe)
-    before = fingerprints(pipe)
-    state = {k: v.clone() for k, v in pipe["text_encoder"].state_dict().items()}
-    state["head.weight"] += 1
-    result = await ctl.update_weights_from_tensors(state, target_module="text_encoder")
-    assert not result.success
-    assert result.message == ("text_encoder.embed.weight and text_encoder.head.weight are tied "
-                              "(one tensor) but are given different values; nothing was updated")
-    assert fingerprints(pipe) == before and ctl.weights_version == 0
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(pipe)
+        before = fingerprints(pipe)
+        state = {k: v.clone() for k, v in pipe["text_encoder"].state_dict().items()}
+        state["head.weight"] += 1
+        result = await ctl.update_weights_from_tensors(state, target_module="text_encoder")
+        assert not result.success
+        assert result.message == (
+            "text_encoder.embed.weight and text_encoder.head.weight are tied (one tensor) but "
+            "are given different values; nothing was updated")
+        assert fingerprints(pipe) == before and ctl.weights_version == 0
 
 
 async def test_the_same_name_twice_is_still_refused() -> None:
     """A pair list naming one tensor twice under the same name is a mistake, not a tie."""
     pipe = small_pipeline()
-    ctl = LifecycleController("cpu")
-    await ctl.attach(pipe)
-    w = pipe["transformer"].state_dict()["0.weight"]
-    result = await ctl.update_weights_from_tensors([("0.weight", w), ("0.weight", w)])
-    assert not result.success and result.message == "tensor transformer.0.weight is given twice"
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(pipe)
+        w = pipe["transformer"].state_dict()["0.weight"]
+        result = await ctl.update_weights_from_tensors([("0.weight", w), ("0.weight", w)])
+        assert not result.success
+        assert result.message == "tensor transformer.0.weight is given twice"
 
 
 def two_controllers(same_names: bool) -> tuple[LifecycleController, dict[str, nn.Module],

@@ -153,10 +153,10 @@ async def test_an_update_recomputes_the_weight_norm_weight_from_the_new_values()
     """After an update of weight_g / weight_v, ``weight`` read outside a forward is the one
     the new values give, not a stale one."""
     pipe, _ = built()
-    ctl = LifecycleController("cpu")
-    await ctl.attach(pipe)
-    torch.manual_seed(1)
-    other = Cached()
-    result = await ctl.update_weights_from_tensors(other.state_dict(), target_module="dit")
-    assert result.success, result.message
-    assert torch.equal(dit(pipe).conv.weight, other.conv.weight)
+    async with LifecycleController("cpu") as ctl:
+        await ctl.attach(pipe)
+        torch.manual_seed(1)
+        other = Cached()
+        result = await ctl.update_weights_from_tensors(other.state_dict(), target_module="dit")
+        assert result.success, result.message
+        assert torch.equal(dit(pipe).conv.weight, other.conv.weight)
