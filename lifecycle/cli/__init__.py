@@ -30,7 +30,7 @@ def _rich() -> Any:
         import rich.console
         import rich.progress
         import rich.table
-    except ImportError:  # pragma: no cover - the launchers install it
+    except ImportError:  # the launchers install it
         raise SystemExit("residency: this command needs the 'cli' extra: "
                          "pip install 'residency[cli]' (rich)") from None
     return rich

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from lifecycle.http import ServerLimits, create_app, uvicorn_config
-    except ImportError as exc:  # pragma: no cover - the launchers install the extra
+    except ImportError as exc:  # the launchers install the extra
         print(f"residency serve needs the 'serve' extra: pip install 'residency[serve]' ({exc})",
               file=sys.stderr)
         return 2

@@ -194,7 +194,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.can_write_eof():
             try:
                 self.transport.write_eof()
-            except (OSError, RuntimeError):  # pragma: no cover - the peer is gone already
+            except (OSError, RuntimeError):  # the peer is gone already
                 self.transport.close()
                 return
         self.loop.call_later(self.limits.linger, self.transport.close)

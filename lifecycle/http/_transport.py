@@ -1327,7 +1327,7 @@ def _load_safetensors(data: memoryview) -> list[tuple[str, torch.Tensor]]:
     if reached != len(area):
         _refuse(f"{what}: the tensors hold {reached} bytes but the data area has {len(area)}; "
                 "the header or the data is truncated or inconsistent")
-    if sys.byteorder != "little":  # pragma: no cover - every supported platform is
+    if sys.byteorder != "little":  # every supported platform is little-endian
         _refuse("this server reads safetensors only on little-endian machines")
     return [(name, _tensor_over(area[begin:end], dtype, shape))
             for begin, end, name, dtype, shape in entries]
