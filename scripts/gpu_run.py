@@ -75,14 +75,14 @@ GRACE = 15.0  # seconds past the budget before the watchdog cuts the run short
 
 # -- results -------------------------------------------------------------------------------
 
-def _clean(value: Any) -> Any:
+def strict_json(value: Any) -> Any:
     """``value`` as strict JSON: non-finite floats become null, floats are rounded."""
     if isinstance(value, float):
         return round(value, 6) if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): strict_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
+        return [strict_json(v) for v in value]
     if value is None or isinstance(value, bool | int | str):
         return value
     return str(value)
@@ -142,7 +142,7 @@ class Run:
         problems = [*failed, *budget_skipped]
         if not passed_tests:
             problems.append("no test passed")
-        doc: dict[str, Any] = _clean({
+        doc: dict[str, Any] = strict_json({
             "tool": "scripts/gpu_run.py", **self.meta, "ok": not problems and aborted is None,
             "aborted": aborted, "seconds": self.elapsed(), "budget_seconds": self.args.budget,
             "tests_budget_seconds": self.args.tests_budget, "tests_run": self.tests_run,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import platform
 import time
@@ -43,6 +42,7 @@ import torch
 
 from lifecycle.demo import parse_size
 from lifecycle.testing import FaultyCudaDevice, SimCuda, layer_seed
+from scripts.gpu_run import strict_json
 from tests.gpu.helpers import REAL, SIMULATED, GpuRun, Recorder, Sizes
 
 HERE = Path(__file__).resolve().parent
@@ -52,19 +52,6 @@ ORDER = ("test_gpu_device.py", "test_gpu_updates.py", "test_gpu_ordering.py", "t
 
 
 # -- results ------------------------------------------------------------------------------
-
-def _clean(value: Any) -> Any:
-    """``value`` as strict JSON (non-finite floats null, floats rounded, others as text)."""
-    if isinstance(value, float):
-        return round(value, 6) if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    return str(value)
-
 
 class Results:
     """Every test's entry of this session, and the JSON document (``--gpu-json``)."""
@@ -90,7 +77,7 @@ class Results:
     def document(self) -> dict[str, Any]:
         real = self.real and torch.cuda.is_available()
         statuses = {n: e["status"] for n, e in self.tests.items()}
-        doc: dict[str, Any] = _clean({
+        doc: dict[str, Any] = strict_json({
             "tool": "tests/gpu", "kind": "real" if real else "simulated",
             "device": torch.cuda.get_device_name() if real else "simulated GPU (SimCuda)",
             "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch import nn
 
 from lifecycle import LifecycleController
 from lifecycle._units import gbps
@@ -20,48 +19,9 @@ from lifecycle.demo import DemoPipeline
 from lifecycle.testing import FaultyCudaDevice
 from strategies import CudaDevice
 from tests.gpu.helpers import GpuRun, Recorder, perturbed, ratio, timed
+from tests.strategies.typed_buffers import DTYPES, Typed, new_values
 
 pytestmark = [pytest.mark.cuda, pytest.mark.anyio]
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
-
-
-def values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(-100, 100, shape, generator=g, dtype=dtype)
-
-
-class Typed(nn.Module):
-    """Buffers of one dtype: 0-d, 1-d, 2-d, a non-contiguous (transposed) 2-d one, and a big
-    one (several staging buffers' bytes)."""
-
-    scalar: torch.Tensor
-    vector: torch.Tensor
-    matrix: torch.Tensor
-    strided: torch.Tensor
-    big: torch.Tensor
-
-    def __init__(self, dtype: torch.dtype, big: tuple[int, int]) -> None:
-        super().__init__()
-        self.register_buffer("scalar", values(dtype, (), 1))
-        self.register_buffer("vector", values(dtype, (7,), 2))
-        self.register_buffer("matrix", values(dtype, (5, 6), 3))
-        self.register_buffer("strided", values(dtype, (6, 4), 4).t())
-        self.register_buffer("big", values(dtype, big, 5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.scalar.float() + self.strided.float().sum()
-
-
-def new_values(dtype: torch.dtype, big: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """New host values for ``Typed``: contiguous and strided sources, and a float32 source
-    for a narrower float target (the update casts it)."""
-    wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    return {"scalar": values(wide, (), 11), "vector": values(dtype, (7,), 12),
-            "matrix": values(dtype, (6, 5), 13).t(), "strided": values(dtype, (6, 4), 14).t(),
-            "big": values(dtype, big, 15)}
 
 
 def written(module: Typed, new: dict[str, torch.Tensor]) -> dict[str, bool]:

@@ -27,45 +27,11 @@ from torch import nn
 from lifecycle import ComponentBusy, LifecycleController, Phase, UnsupportedCompute
 from lifecycle.testing import FaultyDevice, SimCuda, check_cuda_sim, sim_cuda_layer
 from strategies import CudaDevice, LayerwiseOffloadStrategy, ResidencyConfig
+from tests.strategies.typed_buffers import DTYPES, Typed, new_values
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 ROOT = Path(__file__).resolve().parents[2]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
-
-
-def values(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(-100, 100, shape, generator=g, dtype=dtype)
-
-
-class Typed(nn.Module):
-    """Buffers of one dtype: 0-d, 1-d, 2-d, and a non-contiguous (transposed) 2-d one."""
-
-    scalar: torch.Tensor
-    vector: torch.Tensor
-    matrix: torch.Tensor
-    strided: torch.Tensor
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.register_buffer("scalar", values(dtype, (), 1))
-        self.register_buffer("vector", values(dtype, (7,), 2))
-        self.register_buffer("matrix", values(dtype, (5, 6), 3))
-        self.register_buffer("strided", values(dtype, (6, 4), 4).t())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.scalar.float() + self.vector.float().sum() + self.strided.float().sum()
-
-
-def new_values(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """New values for ``Typed``: contiguous and non-contiguous sources, and a float32 source
-    for a narrower float target (the update casts it)."""
-    source = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    return {"scalar": values(source, (), 11), "vector": values(dtype, (7,), 12),
-            "matrix": values(dtype, (6, 5), 13).t(), "strided": values(dtype, (6, 4), 14).t()}
 
 
 def assert_written(module: Typed, new: dict[str, torch.Tensor]) -> None:
