@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreReport", "TensorStore"]
 
 CHUNK = 256 * 2**20  # bytes per copy batch: progress and cancellation points in between
+IN_FLIGHT = 2  # copy batches handed to the layer at once (the link never waits for the host)
 Progress = Callable[[int], None]  # told the bytes of each copied chunk
 
 
@@ -400,17 +401,55 @@ class TensorStore:
 
     async def copy_pairs(self, pairs: Sequence[CopyPair], to: Tier,
                          progress: Progress | None = None) -> None:
-        """Copy ``(dst, src)`` pairs in chunks of about :data:`CHUNK` bytes, telling
-        ``progress`` after each (a progress bar, and a cancellation point between chunks)."""
-        for i, chunk in enumerate(chunked(pairs, lambda pair: int(pair[0].nbytes), CHUNK)):
-            if i:
-                # The cancellation point, whatever the layer: a layer may wait for a started
-                # copy shielded (the CUDA layer does: a copy is never abandoned) and return
-                # without one.
-                await anyio.lowlevel.checkpoint_if_cancelled()
-            await self.layer.copy(chunk, to)
+        """Copy ``(dst, src)`` pairs in chunks of about :data:`CHUNK` bytes, :data:`IN_FLIGHT`
+        chunks handed to the layer at once: the next chunk is queued before the one before it
+        has landed, so the link does not idle while the host learns of a landing and queues
+        the next chunk (a round trip per chunk otherwise). Tells ``progress`` after each chunk
+        lands (a progress bar); checks for cancellation before handing over each chunk after
+        the first. Returns once every chunk has landed; on a failure or a cancellation, once
+        every chunk handed over has (a layer never abandons a started copy), raising the
+        first error itself (not an exception group)."""
+        chunks = list(chunked(pairs, lambda pair: int(pair[0].nbytes), CHUNK))
+        if len(chunks) <= 1:  # (most moves: no task group to pay for)
+            for chunk in chunks:
+                await self.layer.copy(chunk, to)
+                if progress:
+                    progress(sum(int(dst.nbytes) for dst, _ in chunk))
+            return
+        slots = anyio.Semaphore(IN_FLIGHT)
+        errors: list[Exception] = []
+
+        async def one(chunk: list[CopyPair]) -> None:
+            try:
+                await self.layer.copy(chunk, to)
+            except Exception as exc:  # raised below, once the other chunk has landed
+                errors.append(exc)
+                return
+            finally:
+                slots.release()
             if progress:
                 progress(sum(int(dst.nbytes) for dst, _ in chunk))
+
+        try:
+            # A failed chunk cancels nothing: the one handed over with it (maybe still waiting
+            # in the layer) lands, and no chunk is handed over after the failure.
+            async with anyio.create_task_group() as tg:
+                for i, chunk in enumerate(chunks):
+                    await slots.acquire()
+                    if errors:
+                        break
+                    if i:
+                        # The cancellation point, whatever the layer: a layer may wait for a
+                        # started copy shielded (the CUDA layer does) and return without one.
+                        await anyio.lowlevel.checkpoint_if_cancelled()
+                    tg.start_soon(one, chunk)
+        finally:
+            # Every chunk handed over has landed: the lists are not needed, and frames that a
+            # cancellation's reference cycles keep must not keep their buffers alive.
+            for chunk in chunks:
+                chunk.clear()
+        if errors:
+            raise errors[0]
 
     async def prepare_to_device(self, units: Sequence[Unit],
                                 progress: Progress | None = None) -> Move:

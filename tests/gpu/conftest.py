@@ -43,6 +43,7 @@ import torch
 from lifecycle.demo import parse_size
 from lifecycle.testing import FaultyCudaDevice, SimCuda, layer_seed
 from scripts.gpu_run import strict_json
+from strategies import CudaDevice
 from tests.gpu.helpers import REAL, SIMULATED, GpuRun, Recorder, Sizes
 
 HERE = Path(__file__).resolve().parent
@@ -61,6 +62,8 @@ class Results:
         self.path = config.getoption("--gpu-json")
         self.budget: float | None = config.getoption("--gpu-budget")
         self.real = bool(config.getoption("--gpu"))
+        self.targets = str(config.getoption("--gpu-targets"))
+        self.layer_streams: dict[str, Any] | None = None  # the ``gpu`` fixture's look
         self.tests: dict[str, dict[str, Any]] = {}
         self.running: str | None = None
         self.finished = False
@@ -83,7 +86,8 @@ class Results:
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "budget_seconds": self.budget,
             "seconds": self.elapsed(), "finished": self.finished, "running": self.running,
-            "sizes": asdict(sizes_for(real)), "tests": self.tests,
+            "sizes": asdict(sizes_for(real)), "targets": self.targets if real else "record",
+            "layer_streams": self.layer_streams, "tests": self.tests,
             "summary": {
                 "passed": [n for n, s in statuses.items() if s == "pass"],
                 "failed": [n for n, s in statuses.items() if s in ("fail", "error")],
@@ -187,21 +191,40 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object
     return "asyncio", {} if request.config.getoption("--no-asyncio-debug") else {"debug": True}
 
 
+def streams_of(layer: CudaDevice, real: bool) -> dict[str, Any]:
+    """What a layer's copy streams are: its own (created with a priority through the CUDA
+    runtime, which torch sees as an ``ExternalStream``) or, the fallback, torch's pool's."""
+    return {tier: {"type": type(stream).__name__,
+                   "own": isinstance(stream, torch.cuda.ExternalStream) if real else None,
+                   "priority": getattr(stream, "priority", None)}
+            for tier, stream in layer.streams.items()}
+
+
 @pytest.fixture(scope="session")
 def gpu(pytestconfig: pytest.Config) -> GpuRun:
-    """The kind of CUDA layer this session runs on, and the sizes its tests use."""
+    """The kind of CUDA layer this session runs on, and the sizes its tests use; the JSON
+    says what the layer's streams are (a layer made and closed here)."""
     real = bool(pytestconfig.getoption("--gpu"))
     if real:
         device = torch.device("cuda", torch.cuda.current_device())
-        return GpuRun(True, device, torch.cuda.get_device_name(device), sizes_for(True))
-    return GpuRun(False, torch.device("cpu"), "simulated GPU (SimCuda)", sizes_for(False))
+        run = GpuRun(True, device, torch.cuda.get_device_name(device), sizes_for(True))
+        layer = CudaDevice(device)
+    else:
+        run = GpuRun(False, torch.device("cpu"), "simulated GPU (SimCuda)", sizes_for(False))
+        layer = CudaDevice(run.device, SimCuda(seed=0))  # (not a test's: no seed taken)
+    try:
+        pytestconfig.stash[_RESULTS].layer_streams = streams_of(layer, real)
+    finally:
+        layer.close()
+    return run
 
 
 @pytest.fixture
 def record(request: pytest.FixtureRequest, gpu: GpuRun) -> Recorder:
     """Numbers and targets of this test, into the session's JSON (``--gpu-json``)."""
     results = request.config.stash[_RESULTS]
-    return Recorder(results.entry(request.node.nodeid), gpu.real)
+    return Recorder(results.entry(request.node.nodeid), gpu.real,
+                    assert_targets=request.config.getoption("--gpu-targets") == "assert")
 
 
 @pytest.fixture

@@ -64,23 +64,30 @@ class GpuRun:
 
 class Recorder:
     """What one test records: ``record(name=value, ...)`` for numbers, ``record.target`` for
-    a number with a target (recorded always, asserted on the real GPU only)."""
+    a number with a target (recorded always; asserted on the real GPU only, and there only
+    when ``assert_targets``: ``--gpu-targets=assert``)."""
 
-    def __init__(self, entry: dict[str, Any], real: bool) -> None:
+    def __init__(self, entry: dict[str, Any], real: bool, assert_targets: bool = True) -> None:
         self.entry = entry
         self.real = real
+        self.assert_targets = assert_targets
 
     def __call__(self, **numbers: Any) -> None:
         self.entry["numbers"].update(numbers)
 
     def target(self, name: str, value: float | None, *, at_least: float | None = None,
-               at_most: float | None = None) -> bool:
-        """Record ``value`` against its target; on the real GPU, fail the test when missed."""
+               at_most: float | None = None, why_not_asserted: str | None = None) -> bool:
+        """Record ``value`` against its target; on the real GPU, fail the test when missed
+        (unless targets are recorded only, or this one is never asserted: then
+        ``why_not_asserted`` says why, in the JSON)."""
         ok = value is not None and math.isfinite(value) \
             and (at_least is None or value >= at_least) and (at_most is None or value <= at_most)
+        asserted = self.real and self.assert_targets and why_not_asserted is None
         self.entry["targets"][name] = {"value": value, "at_least": at_least,
-                                       "at_most": at_most, "pass": ok, "asserted": self.real}
-        if self.real:
+                                       "at_most": at_most, "pass": ok, "asserted": asserted,
+                                       **({"not_asserted": why_not_asserted}
+                                          if why_not_asserted else {})}
+        if asserted:
             bound = f">= {at_least}" if at_least is not None else f"<= {at_most}"
             assert ok, f"target missed: {name} = {value} (target {bound})"
         return ok
