@@ -220,7 +220,9 @@ def print_table(doc: dict[str, Any]) -> None:
             say(f"{'':<18}{detail[:400]}")
     s = doc["summary"]
     if s["targets_missed"]:
-        say(f"\ntargets missed ({'asserted' if s['targets_asserted'] else 'recorded, not asserted'}):")
+        say(f"\ntargets missed ({'asserted' if s['targets_asserted'] else 'recorded, not asserted'}"
+            + ("; a dry run: the simulated GPU's and the CPU's timings" if doc.get("mode") == "dry-run"
+               else "") + "):")
         for line in s["targets_missed"]:
             say(f"  {line[:200]}")
     say(f"\n{len(s['passed'])} passed, {len(s['failed'])} failed, {len(s['skipped'])} skipped "

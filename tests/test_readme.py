@@ -102,7 +102,7 @@ def test_every_relative_link_resolves() -> None:
 
 def test_every_script_and_file_the_pages_name_exists() -> None:
     """Paths named in the README and docs/ point at files that exist."""
-    pattern = r"(?<![\w/])((?:scripts|lifecycle|strategies|tests)/[\w./-]+\.(?:py|toml|txt|md)|scripts/\w+)"
+    pattern = r"(?<![\w/])((?:scripts|lifecycle|strategies|tests)/[\w./-]+\.(?:py|toml|txt|md|sh)|scripts/\w+)"
     for page in PAGES:
         for path in set(re.findall(pattern, page.read_text())):
             assert (ROOT / path).exists(), f"{page.name}: {path}"
@@ -298,6 +298,8 @@ def check_command(argv: list[str], where: str) -> None:
         for arg in rest:
             if arg.startswith("tests/"):
                 assert (ROOT / arg.split("::")[0]).exists(), f"{where}: {arg}"
+    elif head.startswith("scripts/") and head.endswith(".sh"):
+        assert (ROOT / head).exists(), f"{where}: {head}"
     elif head in {"python", "python3", ".venv/bin/python"}:
         assert rest and rest[0].startswith("scripts/"), f"{where}: {argv}"
         assert (ROOT / rest[0]).exists(), f"{where}: {rest[0]}"
