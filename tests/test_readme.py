@@ -102,7 +102,8 @@ def test_every_relative_link_resolves() -> None:
 
 def test_every_script_and_file_the_pages_name_exists() -> None:
     """Paths named in the README and docs/ point at files that exist."""
-    pattern = r"(?<![\w/])((?:scripts|lifecycle|strategies|tests)/[\w./-]+\.(?:py|toml|txt|md|sh)|scripts/\w+)"
+    pattern = (r"(?<![\w/])((?:scripts|lifecycle|strategies|tests)/[\w./-]+\.(?:py|toml|txt|md|sh)"
+               r"|scripts/\w+)")
     for page in PAGES:
         for path in set(re.findall(pattern, page.read_text())):
             assert (ROOT / path).exists(), f"{page.name}: {path}"

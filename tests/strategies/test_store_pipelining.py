@@ -5,7 +5,7 @@ raises its own error once every chunk handed over has landed, and leaves nothing
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ import strategies._store as store_module
 from lifecycle.testing import FaultInjection, InjectedFault
 from strategies import DeviceLayer
 from strategies._device import CopyPair, Tier
+from strategies._store import Move
 from strategies.protocol import TensorStore, forget_locals
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -57,6 +58,19 @@ def values(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in module.state_dict().items()}
 
 
+async def ready(layer: DeviceLayer, direction: str
+                ) -> tuple[nn.Module, dict[str, torch.Tensor], TensorStore, Callable[..., Awaitable[Move]]]:
+    """The stack in a store on ``layer``, where a move to ``direction`` starts from: the
+    module, its values, the store, and the move's ``prepare``."""
+    module = stack()
+    before = values(module)
+    store = TensorStore("s", module, layer)
+    if direction == "device":
+        (await store.prepare_to_host(store.units)).commit()
+    return module, before, store, (store.prepare_to_host if direction == "host"
+                                   else store.prepare_to_device)
+
+
 @pytest.mark.parametrize("direction", ["host", "device"])
 async def test_a_move_of_several_chunks_keeps_two_in_flight_and_lands_every_byte(
         faulty: Callable[..., FaultInjection], monkeypatch: pytest.MonkeyPatch,
@@ -67,13 +81,8 @@ async def test_a_move_of_several_chunks_keeps_two_in_flight_and_lands_every_byte
     exactly."""
     monkeypatch.setattr(store_module, "CHUNK", 1024)
     layer = faulty(copy_delay=0.002)
-    module = stack()
-    before = values(module)
-    store = TensorStore("s", module, layer)
-    if direction == "device":
-        (await store.prepare_to_host(store.units)).commit()
+    module, before, store, prepare = await ready(layer, direction)
     events = recorded(layer)
-    prepare = store.prepare_to_host if direction == "host" else store.prepare_to_device
     move = await prepare(store.units)
     move.commit()
     assert move.bytes_copied == 6 * (1024 + 64)
@@ -95,15 +104,10 @@ async def test_a_copy_failing_in_any_chunk_raises_its_own_error_and_leaves_nothi
     monkeypatch.setattr(store_module, "CHUNK", 1024)
     for k in range(1, 13):
         layer = faulty(copy_delay=0.001)
-        module = stack()
-        before = values(module)
-        store = TensorStore("s", module, layer)
-        if direction == "device":
-            (await store.prepare_to_host(store.units)).commit()
+        module, before, store, prepare = await ready(layer, direction)
         report = store.report()
         events = recorded(layer)
         layer.arm(copy_at=k)
-        prepare = store.prepare_to_host if direction == "host" else store.prepare_to_device
         with pytest.raises(InjectedFault) as caught:
             await prepare(store.units)
         forget_locals(caught.value)
