@@ -262,6 +262,22 @@ def flat_copies(layer: CudaDevice, host: torch.Tensor, repeats: int) -> dict[str
             "h2d_best_gbps": gbps(n, min(h2d)), "d2h_best_gbps": gbps(n, min(d2h))}
 
 
+def device_copy_seconds(layer: CudaDevice, nbytes: int) -> float:
+    """One flat copy of ``nbytes`` between two device buffers, from an idle device to an idle
+    device (after a warm-up copy): the floor of an update from device tensors. Blocking."""
+    rt = layer.runtime
+    with rt.use_device():
+        src, dst = rt.empty(nbytes), rt.empty(nbytes)
+        rt.copy(dst, src)  # warm-up
+        layer.synchronize()
+        t0 = time.perf_counter()
+        rt.copy(dst, src)
+        layer.synchronize()
+        seconds = time.perf_counter() - t0
+        del src, dst
+    return seconds
+
+
 async def link(layer: CudaDevice, real: bool, nbytes: int, repeats: int) -> dict[str, Any]:
     """Flat copies between the device and page-locked host memory: a mirror of the library's
     own (``CudaDevice.alloc(..., "host")``) and, on the real GPU, torch's pinned memory
