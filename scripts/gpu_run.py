@@ -634,6 +634,18 @@ def _cuda_driver_version() -> int | None:
         return None
 
 
+def pci_links(devices: Path = Path("/sys/bus/pci/devices")) -> dict[str, dict[str, str | None]]:
+    """The PCIe link of each NVIDIA display or 3D controller as the kernel reports it (speed,
+    which names the generation, and width; current and maximum): the record where nvidia-smi
+    is missing or answers nothing. Empty where sysfs has no such device."""
+    links: dict[str, dict[str, str | None]] = {}
+    for dev in sorted(devices.glob("*")) if devices.is_dir() else []:
+        if _read(str(dev / "vendor")) == "0x10de" and (_read(str(dev / "class")) or "").startswith("0x03"):
+            links[dev.name] = {k: _read(str(dev / k)) for k in (
+                "current_link_speed", "current_link_width", "max_link_speed", "max_link_width")}
+    return links
+
+
 def environment(wheels: Path = WHEELS) -> dict[str, Any]:
     """What the run ran on, for its JSON: every package's version, the GPU's driver and
     runtime, the PCIe link, transparent huge pages, the page-lock limit, the commit."""
@@ -657,7 +669,7 @@ def environment(wheels: Path = WHEELS) -> dict[str, Any]:
             "platform": platform.platform(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "torch_cuda_runtime": torch.version.cuda,
             "cudnn": cudnn_version, "cuda_driver_api_version": _cuda_driver_version(),
-            "gpus": gpus, "nvidia_smi": smi is not None,
+            "gpus": gpus, "nvidia_smi": smi is not None, "pci_links": pci_links(),
             "transparent_hugepages": {
                 "enabled": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
                 "defrag": _read("/sys/kernel/mm/transparent_hugepage/defrag")},

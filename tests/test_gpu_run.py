@@ -243,8 +243,9 @@ def test_carried_wheels_are_installed_offline_onto_the_path_of_the_run_and_its_c
 def test_the_environment_names_packages_limits_and_the_commit_even_without_git(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The environment record has every package's version, ``ulimit -l`` as the process
-    sees it, the huge-page mode, and the commit: git's where there is a history, else the
-    one the wheels folder notes, else none."""
+    sees it, the huge-page mode, each NVIDIA GPU's PCIe link as sysfs gives it, and the
+    commit: git's where there is a history, else the one the wheels folder notes, else
+    none."""
     import resource
 
     script = _script()
@@ -257,6 +258,16 @@ def test_the_environment_names_packages_limits_and_the_commit_even_without_git(
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
     assert env["commit"]["commit"] == head and env["commit"]["source"] == "git"
+    gpu = tmp_path / "devices" / "0000:19:00.0"
+    gpu.mkdir(parents=True)
+    for name, text in {"vendor": "0x10de", "class": "0x030200", "current_link_speed": "32.0 GT/s PCIe",
+                       "current_link_width": "16", "max_link_speed": "32.0 GT/s PCIe",
+                       "max_link_width": "16"}.items():
+        (gpu / name).write_text(text + "\n")
+    (tmp_path / "devices" / "0000:00:01.0").mkdir()  # (not a GPU: no vendor)
+    assert script.pci_links(tmp_path / "devices") == {"0000:19:00.0": {
+        "current_link_speed": "32.0 GT/s PCIe", "current_link_width": "16",
+        "max_link_speed": "32.0 GT/s PCIe", "max_link_width": "16"}}
     monkeypatch.setattr(script, "_command", lambda *cmd: None)  # (no git)
     (tmp_path / "COMMIT").write_text("0123abcd dirty\n")
     assert script.commit(tmp_path) == {"commit": "0123abcd", "dirty": True,
