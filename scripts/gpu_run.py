@@ -552,7 +552,8 @@ def check_versions(installed: Mapping[str, str | None], minimums: Mapping[str, s
         have, need = installed.get(name), minimums.get(name)
         if have is None:
             problems.append(f"{name} is not installed (needs >= {need or 'any'}): carry its wheel "
-                            "(scripts/gpu_wheels.sh)")
+                            "(scripts/gpu_wheels.sh), or run a Python that has it "
+                            "(RESIDENCY_GPU_PYTHON)")
         elif need is not None and version_key(have) < version_key(need):
             problems.append(f"{name} {have} is older than the {need} pyproject.toml needs")
     return problems

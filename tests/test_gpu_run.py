@@ -194,7 +194,8 @@ def test_minimum_versions_come_from_pyproject_and_what_is_missing_or_old_is_name
                  "safetensors": "0.8.0", "pytest": "9.2.0"}
     assert script.check_versions(installed, script.minimum_versions()) == [
         "anyio 4.3.9 is older than the 4.4 pyproject.toml needs",
-        "structlog is not installed (needs >= 24.1): carry its wheel (scripts/gpu_wheels.sh)"]
+        "structlog is not installed (needs >= 24.1): carry its wheel (scripts/gpu_wheels.sh), "
+        "or run a Python that has it (RESIDENCY_GPU_PYTHON)"]
     assert script.check_versions(installed | {"anyio": "4.16.0", "structlog": "26.1.0"},
                                  script.minimum_versions()) == []
 
