@@ -168,8 +168,7 @@ PROTOCOL = (
 #: The suites ``--compare`` runs (the ordering pass's kind: the store's and the controller's).
 PROTOCOL_TESTS = ("tests/strategies/test_store.py", "tests/strategies/test_write.py",
                   "tests/strategies/test_layerwise_streaming.py",
-                  "tests/strategies/test_placement_around_uses.py",
-                  "tests/lifecycle/test_sleep_wake.py", "tests/lifecycle/test_updates.py")
+                  "tests/lifecycle/test_sleep_wake.py")
 
 
 def mutated(mutant: Mutant, source: str) -> str:

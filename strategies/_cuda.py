@@ -511,7 +511,8 @@ def _release_arena(layer_ref: weakref.ref[CudaDevice], rt: CudaRuntime, arena: m
     reference): unpin, then unmap, off the thread that dropped it."""
     def release() -> None:
         with rt.use_device():
-            rt.host_unregister(ptr)
+            if rt.host_unregister(ptr) != 0:
+                rt.clear_error()  # (not this thread's next launch's to raise)
         arena.close()
 
     layer = layer_ref()

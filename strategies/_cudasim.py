@@ -10,38 +10,66 @@ CPU tensors stand for device memory; the simulator models what matters for corre
   compute stream lags the host as on a GPU, where Python runs ahead of the kernels. A blocking
   wait (``Event.synchronize``, ``Stream.synchronize``, ``synchronize``) lands what it covers.
   Ordering is tracked with vector clocks: each stream knows how far into every other stream its
-  next work is ordered, and so does the host (what it has seen complete).
+  next work is ordered, and so does the host (what it has seen complete). An event recorded on
+  another device's stream is an error; a stream the layer destroyed (``destroy_stream``) takes
+  no more work, no ``record_stream``, and no free of a block recorded on it.
+* **Kernels.** A module forward's kernels read its own parameters and buffers, and write those
+  it changed in place (a version counter that moved, ``p.add_()``; every buffer of a module in
+  training: batch-norm statistics bump no version). The first kernel of each host thread on
+  each stream takes a library workspace from the allocator (``workspace_bytes``: cuBLAS takes
+  32 MiB on Hopper; :data:`WORKSPACE_BYTES` on the checking layers ``RESIDENCY_DEVICE_LAYER``
+  makes, none on a ``SimCuda()`` made by hand), never given back (``workspace_total``).
 * **A caching allocator with torch's rules.** Device memory comes in segments (2 MiB for
   requests up to 1 MiB, 20 MiB up to 10 MiB, else rounded to 2 MiB), carved into blocks rounded
   to 512 bytes. A block belongs to the stream it was allocated on and is reused only by
   allocations on that stream; a block freed while ``record_stream`` uses are pending returns to
-  the pool only when those streams pass the point of the free. ``memory()`` counts allocated,
-  active (allocated plus those pending blocks) and reserved bytes and their peaks;
-  ``empty_cache`` gives back segments with no block in use; ``mem_get_info`` sees reserved
-  memory as taken. Freed blocks hold poison.
+  the pool only when those streams pass the point of the free, and the allocator notices only
+  when it next runs (an allocation, ``empty_cache``): ``memory()`` reports the counters as it
+  left them (allocated, active: allocated plus those pending blocks, reserved, and the peaks).
+  **A reused block carries its history**: the work its earlier tenants queued on its stream,
+  which the host has not seen complete, stays a use of the new tenant, so a copy on another
+  stream into it must be ordered after that stream. An allocation that does not fit waits for
+  every stream (torch waits for the pending blocks' events, and ``cudaFree`` synchronizes),
+  then gives back idle segments and retries; ``empty_cache`` synchronizes the device the same
+  way, under the allocator's lock; ``mem_get_info`` sees reserved memory as taken. Freed
+  blocks hold poison.
 * **Pinned host memory.** ``host_register`` / ``host_unregister`` of address ranges (``is_pinned``
-  sees them), up to a locked-memory limit (then ``cudaErrorMemoryAllocation``).
+  sees them), up to a locked-memory limit (then ``cudaErrorMemoryAllocation``); registering
+  takes time (``register_rate`` bytes a second: the driver pins every page) and blocks.
+* **Errors stay set.** A failed call (``cudaHostRegister``, ``cudaHostUnregister``, a stream
+  creation: ``stream_error`` / ``register_error`` inject one) leaves the calling thread's last
+  error set, as CUDA does; the thread's next launch (a copy, a kernel, an allocation) raises it
+  unless ``clear_error`` (``cudaGetLastError``) was called.
 * **The current device is per thread** (0 until set; a simulated device is ``cuda:1`` by
   default): a registration, an unregistration or a host wait from a thread whose current device
   is another one would create a context on that GPU, and is recorded.
+* **Graph capture** (:meth:`SimCuda.capture`): while a stream of the device captures, a
+  synchronizing call (a host wait, ``synchronize``, ``empty_cache``, ``cudaHostRegister``,
+  ``cudaHostUnregister``) is an error.
 * **Poison.** A copy's destination holds poison (``0xFF``: NaN in float dtypes) until the copy
   lands. Raised at once (:class:`CudaSimViolation`), naming the buffers' owners (see
   :meth:`SimCuda.label`): a kernel reading a buffer whose copy it is not ordered after; a copy
-  writing a buffer another stream's pending work reads or writes, or reading one it writes; a
-  host write into (or read of) a buffer a copy it has not waited for writes or reads.
+  writing a buffer another stream's pending work (a kernel of an earlier tenant of its block
+  included) reads or writes, or reading one it writes; a host write into (or read of) a buffer
+  a copy it has not waited for writes or reads.
   Recorded (and raised at the next call): a device buffer freed while work on a stream other
   than its own uses it, unprotected by ``record_stream`` or a wait; a host buffer freed or
-  unregistered while a copy not waited for uses it; a synchronizing call (a host wait,
-  ``empty_cache``, ``cudaHostUnregister``) on a thread running an event loop.
+  unregistered while a copy not waited for uses it; a blocking call (a host wait,
+  ``empty_cache``, ``cudaHostRegister``, ``cudaHostUnregister``, an allocation under memory
+  pressure) on a thread running an event loop.
 
 :func:`check_cuda_sim` (a test's teardown) returns what was recorded since the last check and
 the copies nobody ever waited for, then lands everything, so the next test starts clean.
 
-Not modelled: kernels other than module forwards (functional calls on weights outside a
-module, in-place writes by kernels), graph capture beyond the flag :meth:`SimCuda.capture`
-sets, several host threads' own views of completion (one host vector for the process), the
-driver's pageable staging beyond its blocking rules (a device-to-pageable copy returns only
-once landed; a pageable-to-device one once its source was read).
+Not modelled: device memory distinct from host memory (the simulated device is ``cpu``: every
+tensor a module brings is adopted as device memory, so a model built on the host never takes
+the host-to-device attach path here; a GPU run does), kernels other than module forwards
+(functional calls on weights outside a module, an optimizer's in-place step), torch's pinned
+host allocator (``pin_memory=True`` needs an accelerator build of torch: a CPU build refuses
+it), graph capture beyond the flag :meth:`SimCuda.capture` sets, several host threads' own
+views of completion (one host vector for the process), the driver's pageable staging beyond
+its blocking rules (a device-to-pageable copy returns only once landed; a pageable-to-device
+one once its source was read).
 """
 
 from __future__ import annotations
@@ -70,6 +98,9 @@ from ._ordering import POISON, OrderingViolation, Violations, poison
 __all__ = ["POISON", "CudaSimViolation", "SimCuda", "SimEvent", "SimStream", "check_cuda_sim"]
 
 _MIN_BLOCK = 512
+#: The library workspace the simulated GPUs of the checking layers take per host thread and
+#: stream at its first kernel (see the module doc; a GPU's cuBLAS takes 32 MiB).
+WORKSPACE_BYTES = 2**20
 _SMALL_REQUEST = 1 << 20
 _SMALL_SEGMENT = 2 << 20
 _LARGE_SEGMENT = 20 << 20
@@ -357,6 +388,7 @@ class _Segment:
     stream: int
     small: bool
     blocks: list[_Block] = field(default_factory=list)
+    addr: int = 0  # the address of its first byte
 
     @property
     def idle(self) -> bool:
@@ -381,6 +413,19 @@ class _Block:
     @property
     def stream(self) -> int:
         return self.segment.stream
+
+    def prune(self, uses: list[_Use]) -> None:
+        """Keep as its history those of ``uses`` that touch its bytes and that the host has not
+        seen complete (once each)."""
+        start = self.segment.addr + self.offset
+        end = start + self.size
+        seen: set[int] = set()
+        kept = []
+        for u in uses:
+            if id(u) not in seen and u.overlaps(start, end) and not _host_knows(u.item):
+                seen.add(id(u))
+                kept.append(u)
+        self.history = kept
 
 
 @dataclass(eq=False)
@@ -428,7 +473,7 @@ class SimCuda:
                  locked_limit: int = 64 * 2**30, max_lag: float = 0.002, seed: int = 0,
                  name: str | None = None, exact_segments: bool = False,
                  stream_error: int = 0, register_error: int = 0,
-                 register_rate: float = 64 * 2**30, workspace_bytes: int = 2**20) -> None:
+                 register_rate: float = 64 * 2**30, workspace_bytes: int = 0) -> None:
         self.index = index
         # Every block a segment of its own, of its rounded size: reserved bytes are then the
         # blocks' (cached ones included), without torch's segment rounding (tests of a bound).
@@ -684,9 +729,11 @@ class SimCuda:
         rest = best.size - size
         if rest >= (_MIN_BLOCK if small else _SMALL_REQUEST + 1):
             seg = best.segment
-            tail = _Block(seg, best.offset + size, rest, history=list(best.history))
+            tail = _Block(seg, best.offset + size, rest)
             seg.blocks.insert(seg.blocks.index(best) + 1, tail)
             best.size = size
+            tail.prune(best.history)
+            best.prune(best.history)
         return best
 
     def _grow(self, size: int, stream: int) -> _Block:
@@ -711,7 +758,8 @@ class SimCuda:
         mem = mmap.mmap(-1, seg_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         mem.write(bytes([POISON]) * seg_size) if seg_size <= _SMALL_SEGMENT else \
             torch.frombuffer(mem, dtype=torch.uint8).fill_(POISON)
-        seg = _Segment(mem, seg_size, stream, small)
+        seg = _Segment(mem, seg_size, stream, small,
+                       addr=torch.frombuffer(mem, dtype=torch.uint8, count=1).data_ptr())
         self._segments.append(seg)
         self.mallocs += 1
         self._count(0, 0, seg_size)
@@ -728,11 +776,11 @@ class SimCuda:
             self._check_free(info)
             _S.storages.pop(info.base, None)
             self._allocated -= block.size
-            block.history = [
+            block.prune([
                 _Use(u.item, u.base, u.start, u.end, u.write,
                      u.what if u.earlier else info.describe(u.start, u.end), earlier=True)
                 for u in [*info.uses, *info.kernels.values()]
-                if u.item.stream.sid == info.stream and not _host_knows(u.item)]
+                if u.item.stream.sid == info.stream and not _host_knows(u.item)])
             waits = []
             for sid in info.recorded:
                 other = _S.streams.get(sid)
@@ -780,11 +828,11 @@ class SimCuda:
         if i + 1 < len(seg.blocks) and seg.blocks[i + 1].state == "free":
             after = seg.blocks.pop(i + 1)
             block.size += after.size
-            block.history += after.history
+            block.prune(block.history + after.history)
         if i > 0 and seg.blocks[i - 1].state == "free":
             prev = seg.blocks[i - 1]
             prev.size += seg.blocks.pop(i).size
-            prev.history += block.history
+            prev.prune(prev.history + block.history)
 
     def _process_pending(self) -> None:
         keep = []

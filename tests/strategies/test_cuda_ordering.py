@@ -139,3 +139,17 @@ def test_a_staged_copy_into_a_buffer_compute_still_reads_is_ordered_after_it() -
     assert lin.weight.tolist() == [[2.0] * 4] * 4
     assert check_cuda_sim() == []
     layer.close()
+
+
+def test_measure_links_timed_copies_land_before_their_buffers_are_freed() -> None:
+    """measure_link's timed copies (on the copy stream, a fresh device buffer each, freed at
+    once) are waited for on the host before their buffers go, and are ordered after compute
+    work queued on the blocks they reuse: nothing is reported, and both numbers are real."""
+    gpu = SimCuda(max_lag=0.001)
+    layer = layer_on(gpu)
+    reused = compute_frees_a_block_first(gpu)
+    rate, latency = layer.measure_link(nbytes=8192, repeats=2)
+    assert reused
+    assert rate > 0 and latency > 0
+    assert check_cuda_sim() == []
+    layer.close()
