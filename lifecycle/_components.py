@@ -224,7 +224,14 @@ class Components(Mapping[str, Component]):
             check = functools.partial(self.check_forward, c.name)
             c.strategy.forward_check = check
             c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
-                                   root_check=self._layer.check_compute)
+                                   root_check=functools.partial(self._check_compute, c))
+
+    def _check_compute(self, c: Component) -> None:
+        """The device layer's stream and graph-capture check, for a component whose weights
+        move around its forwards: a resident one's stay put while awake (a transition
+        synchronizes the device before moving them), so it may run on any stream, captured."""
+        if c.strategy.mode is not ResidencyMode.RESIDENT:
+            self._layer.check_compute()
 
     def release(self) -> None:
         """Forget every component (detach): guards and hooks removed, layerwise marks

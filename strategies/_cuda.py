@@ -10,6 +10,7 @@ blocks and adopted storages on the CPU.
 from __future__ import annotations
 
 import functools
+import logging
 import mmap
 import threading
 import weakref
@@ -28,6 +29,8 @@ __all__ = ["CudaDevice"]
 _PAGE = mmap.PAGESIZE
 _STAGE = 64 * 2**20  # bytes per pinned staging buffer (two of them per CUDA layer)
 _HUGE = 2 * 2**20  # mirrors at least this large ask for transparent huge pages
+_ERROR_ALLOCATION = 2  # cudaErrorMemoryAllocation: a registration over the locked-memory limit
+_log = logging.getLogger("residency.cuda")
 
 
 class _EventHandle:
@@ -42,7 +45,9 @@ class _EventHandle:
 
     def wait(self) -> None:
         # The compute stream waits (on the GPU): kernels queued after read the landed bytes.
-        self._layer._rt.current_stream().wait_event(self._event)
+        # The default stream by name, not the current one: prepare_use calls this on the event
+        # loop's thread, where a user stream may be current (forwards run on the default one).
+        self._layer._rt.default_stream().wait_event(self._event)
         self._tensors = []
 
     def wait_host(self) -> None:
@@ -53,7 +58,7 @@ class _EventHandle:
         # Nobody waits: the buffers are recorded on the copy stream, so that when they are
         # freed the allocator does not reuse their blocks before the copy ran.
         for t in self._tensors:
-            self._layer._rt.record_stream(t, self._stream)
+            self._layer._record_on(t, self._stream)
         self._tensors = []
         self._layer._rt.discard(self._event)
 
@@ -90,10 +95,16 @@ class CudaDevice(DeviceLayer):
     def __init__(self, device: torch.device, runtime: CudaRuntime | None = None) -> None:
         super().__init__(device)
         self._rt: CudaRuntime = runtime if runtime is not None else TorchCuda(device)
+        #: Whether the copy streams are the layer's own (else torch's pooled ones: logged).
+        self.own_streams = True
         with self._rt.use_device():
-            self._streams: dict[Tier, Stream] = {"device": self._rt.new_stream(),
-                                                 "host": self._rt.new_stream()}
+            self._streams: dict[Tier, Stream] = {"device": self._new_stream(),
+                                                 "host": self._new_stream()}
             self._default = self._rt.default_stream()
+        # Storages recorded on a copy stream (record_stream) still alive: the allocator records
+        # an event on that stream when it frees them, so the streams outlive them.
+        self._recorded = 0
+        self._recorded_lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(2)
         self.stage_bytes = _STAGE  # bytes per pinned staging buffer
         self._stage: list[torch.Tensor] | None = None  # two pinned staging buffers, on need
@@ -101,6 +112,29 @@ class CudaDevice(DeviceLayer):
         # Pinned memory is unregistered (a synchronizing call) in a thread of the layer's
         # own, never in the thread that dropped the last reference (often the event loop).
         self._unpin = Worker("residency-unpin")
+
+    def _new_stream(self) -> Stream:
+        stream = self._rt.own_stream()
+        if stream is not None:
+            return stream
+        # The failed call left the thread's last error set: the next kernel launch on this
+        # thread would raise it. Cleared here, and named.
+        err = self._rt.clear_error()
+        self.own_streams = False
+        _log.warning("residency: the CUDA layer of %s could not create a stream of its own "
+                     "(%s): its copies use torch's pooled streams (shared with other libraries, "
+                     "default priority)", self.device, self._rt.error_name(err))
+        return self._rt.new_stream()
+
+    def _record_on(self, t: torch.Tensor, stream: Stream) -> None:
+        self._rt.record_stream(t, stream)
+        with self._recorded_lock:
+            self._recorded += 1
+        weakref.finalize(t.untyped_storage(), self._unrecorded)
+
+    def _unrecorded(self) -> None:
+        with self._recorded_lock:
+            self._recorded -= 1
 
     @property
     def runtime(self) -> CudaRuntime:
@@ -263,6 +297,10 @@ class CudaDevice(DeviceLayer):
         stream = self._streams["device"]
         host = _bytes(src if src.is_contiguous() else src.contiguous())
         target = dst if dst.is_contiguous() else self._alloc(int(dst.nbytes), "device", False)
+        if target is not dst:
+            # The temporary's block may have been freed by compute work queued since the
+            # batch's wait: the copies into it are ordered after that work too.
+            stream.wait_stream(self._default)
         device = _bytes(target)
         step = int(self._stage_bytes())
         for start in range(0, int(device.numel()), step):
@@ -283,6 +321,9 @@ class CudaDevice(DeviceLayer):
         source = src
         if not src.is_contiguous():
             source = self._alloc(int(src.nbytes), "device", False).view(src.dtype).view(src.shape)
+            # Its block may have been freed by compute work queued since the batch's wait:
+            # the gather into it is ordered after that work too.
+            stream.wait_stream(self._default)
             with self._rt.use_stream(stream):
                 self._copy_one(source, src)  # gathered on the device first
         device = _bytes(source)
@@ -357,7 +398,20 @@ class CudaDevice(DeviceLayer):
         stage, self._stage = self._stage, None
         del stage  # its pages are unpinned by the worker, before it stops
         self._unpin.close()
+        self._destroy_streams()
         super().close()
+
+    def _destroy_streams(self) -> None:
+        """The layer's own streams are destroyed, unless a storage recorded on one still lives
+        (a dropped prefetch's buffer kept by someone): its free records an event on the
+        stream, so they are kept for the process then (two streams)."""
+        with self._recorded_lock:
+            if not self.own_streams or self._recorded or not self._streams:
+                return
+            streams, self._streams = list(self._streams.values()), {}
+        with self._rt.use_device():
+            for stream in streams:
+                self._rt.destroy_stream(stream)  # what is queued on it still completes
 
 
 class _Slots:
@@ -416,13 +470,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pinned_arena(nbytes: int, layer: CudaDevice) -> torch.Tensor:
-    """``nbytes`` of page-locked host memory of our own: private anonymous pages (not shared
-    with a forked child; transparent huge pages asked for where the system offers them)
+    """``nbytes`` of page-locked host memory of our own: private anonymous pages (left out
+    of a forked child; transparent huge pages asked for where the system offers them)
     registered with the driver (``cudaHostRegister``), not torch's caching host allocator,
     which rounds every block up to a power of two (a 33 GB mirror would pin 64 GiB) and never
     gives a block back. The footprint is the size rounded to a page; when the tensor's
     storage dies the pages are unregistered, then unmapped, in the layer's unpin thread."""
     arena = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_DONTFORK"):
+        # Left out of forked children (data loaders, multiprocessing): a private mapping is
+        # otherwise copied into every child (and page-locked memory is not the child's anyway).
+        arena.madvise(mmap.MADV_DONTFORK)
     if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
         arena.madvise(mmap.MADV_HUGEPAGE)
     view = torch.frombuffer(arena, dtype=torch.uint8)  # keeps ``arena`` alive while it lives
@@ -430,10 +488,15 @@ def _pinned_arena(nbytes: int, layer: CudaDevice) -> torch.Tensor:
     with rt.use_device():  # from any thread: the layer's device, never GPU 0 by default
         err = rt.host_register(view.data_ptr(), nbytes)
     if err != 0:
+        # The failed call left the thread's last error set: the next kernel launch on this
+        # thread would raise it (an unrelated forward failing). Cleared, and named.
+        rt.clear_error()
         del view
         arena.close()
-        raise MemoryError(f"cudaHostRegister of {nbytes} bytes failed (error {err}); "
-                          "the system may limit locked memory (ulimit -l)")
+        hint = "; the system may limit locked memory (ulimit -l)" if err == _ERROR_ALLOCATION \
+            else ""
+        raise MemoryError(f"cudaHostRegister of {nbytes} bytes failed with "
+                          f"{rt.error_name(err)} (error {err}){hint}")
     fin = weakref.finalize(view.untyped_storage(), _release_arena, weakref.ref(layer), rt,
                            arena, view.data_ptr())
     # Not at interpreter exit: an atexit handler or a daemon thread may still read a weight
@@ -448,7 +511,8 @@ def _release_arena(layer_ref: weakref.ref[CudaDevice], rt: CudaRuntime, arena: m
     reference): unpin, then unmap, off the thread that dropped it."""
     def release() -> None:
         with rt.use_device():
-            rt.host_unregister(ptr)
+            if rt.host_unregister(ptr) != 0:
+                rt.clear_error()  # (not this thread's next launch's to raise)
         arena.close()
 
     layer = layer_ref()

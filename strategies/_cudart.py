@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -71,9 +72,30 @@ class CudaRuntime(Protocol):
     #: True for the simulator: nothing is on a real GPU.
     simulated: bool
 
-    def new_stream(self) -> Stream:
+    def own_stream(self) -> Stream | None:
         """A stream of the library's own (never one of torch's pooled streams, which NCCL and
-        other libraries share), non-blocking, at the lowest priority."""
+        other libraries share), non-blocking, at the lowest priority, in the context torch
+        uses; None where it cannot be made (the calling thread's last error then says why:
+        :meth:`clear_error`)."""
+        ...
+
+    def new_stream(self) -> Stream:
+        """One of torch's pooled streams (``torch.cuda.Stream()``: a user's side stream; the
+        fallback when :meth:`own_stream` fails)."""
+        ...
+
+    def destroy_stream(self, stream: Any) -> None:
+        """Destroy a stream :meth:`own_stream` made (work queued on it still completes)."""
+        ...
+
+    def clear_error(self) -> int:
+        """Return and clear the calling thread's last CUDA error (``cudaGetLastError``; 0:
+        none): a failed call leaves it set, and the next kernel launch on the thread would
+        raise it."""
+        ...
+
+    def error_name(self, err: int) -> str:
+        """The name of CUDA error code ``err`` (``cudaErrorMemoryAllocation``)."""
         ...
 
     def default_stream(self) -> Stream: ...
@@ -121,7 +143,7 @@ class CudaRuntime(Protocol):
         ...
 
     def is_device(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s memory is this device's."""
+        """Whether ``t``'s memory is this device's (not another GPU's, not the host's)."""
         ...
 
     def is_pinned(self, t: torch.Tensor) -> bool: ...
@@ -142,7 +164,11 @@ class CudaRuntime(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def empty_cache(self) -> None: ...
+    def empty_cache(self) -> None:
+        """Give the allocator's cached segments back to the driver: this device's where the
+        runtime can scope it (torch cannot: ``torch.cuda.empty_cache`` empties every GPU's
+        cache of the process, synchronizing each)."""
+        ...
 
     def memory(self) -> MemoryStats: ...
 
@@ -159,23 +185,43 @@ class TorchCuda:  # pragma: no cover - the real runtime: needs a GPU (tests/gpu 
     simulated = False
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.index)
+
+    def own_stream(self) -> Stream | None:
+        lib = _torch_cudart()
+        if lib is None:
+            return None
+        handle = ctypes.c_void_p()
+        torch.cuda.init()  # type: ignore[no-untyped-call]  # torch's context exists
+        with torch.cuda.device(self.device):  # and is current: the stream is made in it
+            # cudaStreamNonBlocking (1): no implicit sync with the legacy default stream;
+            # priority 0: the lowest (copies do not compete with compute for SMs).
+            err = lib.cudaStreamCreateWithPriority(ctypes.byref(handle), 1, 0)
+        if err != 0 or not handle.value:
+            return None
+        return torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
+            handle.value, device=self.device)
 
     def new_stream(self) -> Stream:
-        lib = _libcudart()
-        if lib is not None:
-            handle = ctypes.c_void_p()
-            with torch.cuda.device(self.device):
-                # cudaStreamNonBlocking (1): no implicit sync with the legacy default stream;
-                # priority 0: the lowest (copies do not compete with compute for SMs).
-                err = lib.cudaStreamCreateWithPriority(ctypes.byref(handle), 1, 0)
-            if err == 0 and handle.value:
-                # Never destroyed: the caching allocator may still record events on it for
-                # blocks freed after the layer is gone (two streams per layer).
-                return torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
-                    handle.value, device=self.device)
         return torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+
+    def destroy_stream(self, stream: Any) -> None:
+        lib = _torch_cudart()
+        if lib is not None:
+            with torch.cuda.device(self.device):
+                lib.cudaStreamDestroy(ctypes.c_void_p(int(stream.cuda_stream)))
+
+    def clear_error(self) -> int:
+        lib = _torch_cudart()
+        return 0 if lib is None else int(lib.cudaGetLastError())
+
+    def error_name(self, err: int) -> str:
+        lib = _torch_cudart()
+        if lib is None:
+            return f"CUDA error {err}"
+        lib.cudaGetErrorName.restype = ctypes.c_char_p
+        return str(lib.cudaGetErrorName(err).decode())
 
     def default_stream(self) -> Stream:
         return torch.cuda.default_stream(self.device)
@@ -215,7 +261,7 @@ class TorchCuda:  # pragma: no cover - the real runtime: needs a GPU (tests/gpu 
         pass
 
     def is_device(self, t: torch.Tensor) -> bool:
-        return t.is_cuda
+        return t.device == self.device
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         return t.is_pinned()
@@ -236,7 +282,7 @@ class TorchCuda:  # pragma: no cover - the real runtime: needs a GPU (tests/gpu 
         torch.cuda.synchronize(self.device)
 
     def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # every GPU's cache: torch has no per-device call
 
     def memory(self) -> MemoryStats:
         s = torch.cuda.memory_stats(self.device)
@@ -253,18 +299,18 @@ class TorchCuda:  # pragma: no cover - the real runtime: needs a GPU (tests/gpu 
 
 
 @functools.cache
-def _libcudart() -> Any:  # pragma: no cover - needs a GPU
-    """The CUDA runtime library this process loaded (torch's), for the one call torch does
-    not bind (``cudaStreamCreateWithPriority``); None where it cannot be found (a static
-    build): then streams come from torch's pool."""
+def _torch_cudart() -> Any:  # pragma: no cover - needs a GPU
+    """torch's own CUDA runtime library, for the calls torch does not bind
+    (``cudaStreamCreateWithPriority``, ``cudaGetLastError``): the one already loaded under the
+    soname of torch's CUDA major version (``libcudart.so.13`` for +cu130), never another
+    libcudart the process loaded (its own context, its own per-thread last error). None where
+    there is none (a static build): then streams come from torch's pool."""
+    major = (torch.version.cuda or "").split(".")[0]
+    if not major:
+        return None
     try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        lib = ctypes.CDLL(f"libcudart.so.{major}", mode=os.RTLD_NOLOAD)
     except OSError:
         return None
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
+    lib.cudaGetLastError.restype = ctypes.c_int
+    return lib

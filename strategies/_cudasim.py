@@ -10,38 +10,66 @@ CPU tensors stand for device memory; the simulator models what matters for corre
   compute stream lags the host as on a GPU, where Python runs ahead of the kernels. A blocking
   wait (``Event.synchronize``, ``Stream.synchronize``, ``synchronize``) lands what it covers.
   Ordering is tracked with vector clocks: each stream knows how far into every other stream its
-  next work is ordered, and so does the host (what it has seen complete).
+  next work is ordered, and so does the host (what it has seen complete). An event recorded on
+  another device's stream is an error; a stream the layer destroyed (``destroy_stream``) takes
+  no more work, no ``record_stream``, and no free of a block recorded on it.
+* **Kernels.** A module forward's kernels read its own parameters and buffers, and write those
+  it changed in place (a version counter that moved, ``p.add_()``; every buffer of a module in
+  training: batch-norm statistics bump no version). The first kernel of each host thread on
+  each stream takes a library workspace from the allocator (``workspace_bytes``: cuBLAS takes
+  32 MiB on Hopper; :data:`WORKSPACE_BYTES` on the checking layers ``RESIDENCY_DEVICE_LAYER``
+  makes, none on a ``SimCuda()`` made by hand), never given back (``workspace_total``).
 * **A caching allocator with torch's rules.** Device memory comes in segments (2 MiB for
   requests up to 1 MiB, 20 MiB up to 10 MiB, else rounded to 2 MiB), carved into blocks rounded
   to 512 bytes. A block belongs to the stream it was allocated on and is reused only by
   allocations on that stream; a block freed while ``record_stream`` uses are pending returns to
-  the pool only when those streams pass the point of the free. ``memory()`` counts allocated,
-  active (allocated plus those pending blocks) and reserved bytes and their peaks;
-  ``empty_cache`` gives back segments with no block in use; ``mem_get_info`` sees reserved
-  memory as taken. Freed blocks hold poison.
+  the pool only when those streams pass the point of the free, and the allocator notices only
+  when it next runs (an allocation, ``empty_cache``): ``memory()`` reports the counters as it
+  left them (allocated, active: allocated plus those pending blocks, reserved, and the peaks).
+  **A reused block carries its history**: the work its earlier tenants queued on its stream,
+  which the host has not seen complete, stays a use of the new tenant, so a copy on another
+  stream into it must be ordered after that stream. An allocation that does not fit waits for
+  every stream (torch waits for the pending blocks' events, and ``cudaFree`` synchronizes),
+  then gives back idle segments and retries; ``empty_cache`` synchronizes the device the same
+  way, under the allocator's lock; ``mem_get_info`` sees reserved memory as taken. Freed
+  blocks hold poison.
 * **Pinned host memory.** ``host_register`` / ``host_unregister`` of address ranges (``is_pinned``
-  sees them), up to a locked-memory limit (then ``cudaErrorMemoryAllocation``).
+  sees them), up to a locked-memory limit (then ``cudaErrorMemoryAllocation``); registering
+  takes time (``register_rate`` bytes a second: the driver pins every page) and blocks.
+* **Errors stay set.** A failed call (``cudaHostRegister``, ``cudaHostUnregister``, a stream
+  creation: ``stream_error`` / ``register_error`` inject one) leaves the calling thread's last
+  error set, as CUDA does; the thread's next launch (a copy, a kernel, an allocation) raises it
+  unless ``clear_error`` (``cudaGetLastError``) was called.
 * **The current device is per thread** (0 until set; a simulated device is ``cuda:1`` by
   default): a registration, an unregistration or a host wait from a thread whose current device
   is another one would create a context on that GPU, and is recorded.
+* **Graph capture** (:meth:`SimCuda.capture`): while a stream of the device captures, a
+  synchronizing call (a host wait, ``synchronize``, ``empty_cache``, ``cudaHostRegister``,
+  ``cudaHostUnregister``) is an error.
 * **Poison.** A copy's destination holds poison (``0xFF``: NaN in float dtypes) until the copy
   lands. Raised at once (:class:`CudaSimViolation`), naming the buffers' owners (see
   :meth:`SimCuda.label`): a kernel reading a buffer whose copy it is not ordered after; a copy
-  writing a buffer another stream's pending work reads or writes, or reading one it writes; a
-  host write into (or read of) a buffer a copy it has not waited for writes or reads.
+  writing a buffer another stream's pending work (a kernel of an earlier tenant of its block
+  included) reads or writes, or reading one it writes; a host write into (or read of) a buffer
+  a copy it has not waited for writes or reads.
   Recorded (and raised at the next call): a device buffer freed while work on a stream other
   than its own uses it, unprotected by ``record_stream`` or a wait; a host buffer freed or
-  unregistered while a copy not waited for uses it; a synchronizing call (a host wait,
-  ``empty_cache``, ``cudaHostUnregister``) on a thread running an event loop.
+  unregistered while a copy not waited for uses it; a blocking call (a host wait,
+  ``empty_cache``, ``cudaHostRegister``, ``cudaHostUnregister``, an allocation under memory
+  pressure) on a thread running an event loop.
 
 :func:`check_cuda_sim` (a test's teardown) returns what was recorded since the last check and
 the copies nobody ever waited for, then lands everything, so the next test starts clean.
 
-Not modelled: kernels other than module forwards (functional calls on weights outside a
-module, in-place writes by kernels), graph capture beyond the flag :meth:`SimCuda.capture`
-sets, several host threads' own views of completion (one host vector for the process), the
-driver's pageable staging beyond its blocking rules (a device-to-pageable copy returns only
-once landed; a pageable-to-device one once its source was read).
+Not modelled: device memory distinct from host memory (the simulated device is ``cpu``: every
+tensor a module brings is adopted as device memory, so a model built on the host never takes
+the host-to-device attach path here; a GPU run does), kernels other than module forwards
+(functional calls on weights outside a module, an optimizer's in-place step), torch's pinned
+host allocator (``pin_memory=True`` needs an accelerator build of torch: a CPU build refuses
+it), graph capture beyond the flag :meth:`SimCuda.capture` sets, several host threads' own
+views of completion (one host vector for the process), the driver's pageable staging beyond
+its blocking rules (a device-to-pageable copy returns only once landed; a pageable-to-device
+one once its source was read).
 """
 
 from __future__ import annotations
@@ -70,6 +98,9 @@ from ._ordering import POISON, OrderingViolation, Violations, poison
 __all__ = ["POISON", "CudaSimViolation", "SimCuda", "SimEvent", "SimStream", "check_cuda_sim"]
 
 _MIN_BLOCK = 512
+#: The library workspace the simulated GPUs of the checking layers take per host thread and
+#: stream at its first kernel (see the module doc; a GPU's cuBLAS takes 32 MiB).
+WORKSPACE_BYTES = 2**20
 _SMALL_REQUEST = 1 << 20
 _SMALL_SEGMENT = 2 << 20
 _LARGE_SEGMENT = 20 << 20
@@ -77,6 +108,10 @@ _MIN_LARGE_ALLOC = 10 << 20
 _ROUND_LARGE = 2 << 20
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_MEMORY_ALLOCATION = 2
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+_ERROR_NAMES = {CUDA_ERROR_INVALID_VALUE: "cudaErrorInvalidValue",
+                CUDA_ERROR_MEMORY_ALLOCATION: "cudaErrorMemoryAllocation",
+                CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: "cudaErrorHostMemoryAlreadyRegistered"}
 
 
 class CudaSimViolation(OrderingViolation):
@@ -140,6 +175,7 @@ class _Use:
     end: int
     write: bool
     what: str
+    earlier: bool = False  # queued for an earlier tenant of the block (``what`` names it)
 
     def overlaps(self, start: int, end: int) -> bool:
         return self.start < end and start < self.end
@@ -179,6 +215,7 @@ class SimStream:
         self.name = f"{name} stream of {sim.name}"
         self.own = own  # made by new_stream (not torch's shared pool, not the default)
         self.priority = 0
+        self.destroyed = False  # by destroy_stream: nothing may be queued on it any more
         self.items: deque[_Item] = deque()
         self.tail = 0  # position of the last item queued
         self.done = 0  # position of the last item landed
@@ -225,6 +262,8 @@ class SimStream:
     # internals (under the lock)
     def _queue(self, kind: str, what: str, lag: float, land: Callable[[], None] | None = None
                ) -> _Item:
+        if self.destroyed:
+            _fail(f"{what} was queued on {self.name}, which was destroyed")
         self.tail += 1
         due = max(time.monotonic() + lag, self.last_due)
         self.last_due = due
@@ -305,6 +344,10 @@ class SimEvent:
     def record(self, stream: SimStream | None = None) -> None:
         with _S.lock:
             target = stream if stream is not None else self.sim.current_stream()
+            if target.sim is not self.sim:
+                _fail(f"an event of {self.sim.name} was recorded on {target.name}, a stream of "
+                      "another device (cudaErrorInvalidResourceHandle: an event belongs to "
+                      "the device it was first recorded on)")
             self.item = target._marker("event")
 
     def query(self) -> bool:
@@ -345,6 +388,7 @@ class _Segment:
     stream: int
     small: bool
     blocks: list[_Block] = field(default_factory=list)
+    addr: int = 0  # the address of its first byte
 
     @property
     def idle(self) -> bool:
@@ -362,10 +406,26 @@ class _Block:
     size: int
     state: str = "free"  # "free", "used", "pending"
     waits: list[tuple[int, int]] = field(default_factory=list)  # (stream, position) to pass
+    # Uses by earlier tenants on the block's own stream the host has not seen complete: the
+    # next tenant inherits them (a copy into it must be ordered after that stream's work).
+    history: list[_Use] = field(default_factory=list)
 
     @property
     def stream(self) -> int:
         return self.segment.stream
+
+    def prune(self, uses: list[_Use]) -> None:
+        """Keep as its history those of ``uses`` that touch its bytes and that the host has not
+        seen complete (once each)."""
+        start = self.segment.addr + self.offset
+        end = start + self.size
+        seen: set[int] = set()
+        kept = []
+        for u in uses:
+            if id(u) not in seen and u.overlaps(start, end) and not _host_knows(u.item):
+                seen.add(id(u))
+                kept.append(u)
+        self.history = kept
 
 
 @dataclass(eq=False)
@@ -380,7 +440,8 @@ class _Storage:
     recorded: set[int] = field(default_factory=set)  # record_stream uses
     owner: str | None = None
     uses: list[_Use] = field(default_factory=list)
-    kernels: dict[int, _Use] = field(default_factory=dict)  # stream -> its last kernel read
+    # 2 x stream id (+1 for a write) -> that stream's last kernel reading (writing) it
+    kernels: dict[int, _Use] = field(default_factory=dict)
     finalizers: list[weakref.finalize[Any, Any]] = field(default_factory=list)
 
     def describe(self, start: int | None = None, end: int | None = None) -> str:
@@ -410,7 +471,9 @@ class SimCuda:
 
     def __init__(self, *, index: int = 1, capacity: int = 80 * 2**30,
                  locked_limit: int = 64 * 2**30, max_lag: float = 0.002, seed: int = 0,
-                 name: str | None = None, exact_segments: bool = False) -> None:
+                 name: str | None = None, exact_segments: bool = False,
+                 stream_error: int = 0, register_error: int = 0,
+                 register_rate: float = 64 * 2**30, workspace_bytes: int = 0) -> None:
         self.index = index
         # Every block a segment of its own, of its rounded size: reserved bytes are then the
         # blocks' (cached ones included), without torch's segment rounding (tests of a bound).
@@ -418,6 +481,15 @@ class SimCuda:
         self.name = name or f"simulated cuda:{index}"
         self.capacity = capacity
         self.locked_limit = locked_limit
+        # Injected failures: new_stream / host_register fail with this CUDA error (0: never),
+        # leaving it as the calling thread's last error, as CUDA does.
+        self.stream_error = stream_error
+        self.register_error = register_error
+        self.register_rate = register_rate  # bytes per second cudaHostRegister pins
+        # A library workspace (cuBLAS's: 32 MiB on Hopper) the first kernel of each host thread
+        # on each stream takes from the allocator and never gives back.
+        self.workspace_bytes = workspace_bytes
+        self._workspaces: dict[tuple[int, int], torch.Tensor] = {}
         self.max_lag = max_lag
         self._random = random.Random(seed)
         self._segments: list[_Segment] = []
@@ -442,8 +514,38 @@ class SimCuda:
         return f"<SimCuda {self.name}>"
 
     # -- streams, events, devices --------------------------------------------------------
-    def new_stream(self) -> SimStream:
+    def own_stream(self) -> SimStream | None:
+        if self.stream_error:
+            _S.tls.error = (self.stream_error, "cudaStreamCreateWithPriority")
+            return None
         return SimStream(self, f"copy {next(_sids)}", own=True)
+
+    def new_stream(self) -> SimStream:
+        return SimStream(self, f"pooled {next(_sids)}", own=False)
+
+    def destroy_stream(self, stream: SimStream) -> None:
+        with _S.lock:
+            if stream.destroyed or not stream.own:
+                _fail(f"{stream.name} was destroyed twice, or is not one new_stream made")
+            stream.destroyed = True
+
+    def clear_error(self) -> int:
+        error = getattr(_S.tls, "error", None)
+        _S.tls.error = None
+        return 0 if error is None else int(error[0])
+
+    def error_name(self, err: int) -> str:
+        return _ERROR_NAMES.get(err, f"cudaError {err}")
+
+    def _launch(self, what: str) -> None:
+        """A launch (a copy, a kernel, an allocation) checks the thread's last error, as
+        torch's C10_CUDA_CHECK after a launch does: one a failed call left raises here."""
+        error = getattr(_S.tls, "error", None)
+        if error is not None:
+            _S.tls.error = None
+            _fail(f"{what} on thread {threading.current_thread().name!r} raised "
+                  f"{self.error_name(error[0])}, left by an earlier failed {error[1]} that "
+                  "nobody cleared (cudaGetLastError)")
 
     def default_stream(self) -> SimStream:
         return self._default
@@ -503,21 +605,33 @@ class SimCuda:
 
     def _host_wait(self, what: str) -> None:
         self._context(what)
+        self._not_capturing(what)
         if _on_event_loop():
             _record(f"{what} (a synchronizing call) ran on the event loop's thread "
                     f"{threading.current_thread().name!r}: the loop stops serving meanwhile")
 
+    def _not_capturing(self, what: str) -> None:
+        if self._capturing:
+            _fail(f"{what} (a synchronizing call) ran while a stream of {self.name} captures "
+                  "a CUDA graph: the capture is invalidated (cudaErrorStreamCaptureUnsupported)")
+
     def synchronize(self) -> None:
         # (Not checked for the event loop: programs call it there on purpose, a benchmark
         # before it reads the clock; the library calls it in worker threads.)
+        self._not_capturing("synchronize")
         with _S.lock:
-            for stream in [s for s in _S.streams.values() if s.sim is self]:
-                stream._complete(stream.tail)
-                if stream.tail:
-                    _S.host = _merge(_S.host, {**stream.knows, stream.sid: stream.tail})
-            _retire()
-            self._process_pending()
+            self._land_all()
         _raise_recorded()
+
+    def _land_all(self) -> None:
+        """Every stream of this device lands what it queued, and the host knows (under the
+        lock). The allocator's pending blocks are not processed: torch does that at its next
+        allocation or empty_cache."""
+        for stream in [s for s in _S.streams.values() if s.sim is self]:
+            stream._complete(stream.tail)
+            if stream.tail:
+                _S.host = _merge(_S.host, {**stream.knows, stream.sid: stream.tail})
+        _retire()
 
     # -- which memory is whose -----------------------------------------------------------
     def is_device(self, t: torch.Tensor) -> bool:
@@ -576,6 +690,10 @@ class SimCuda:
         self._peak_reserved = max(self._peak_reserved, self._reserved)
 
     def empty(self, nbytes: int) -> torch.Tensor:
+        return self._empty(nbytes)
+
+    def _empty(self, nbytes: int) -> torch.Tensor:
+        self._launch("an allocation")
         if nbytes <= 0:
             return torch.empty(0, dtype=torch.uint8)
         size = max(_MIN_BLOCK, -(-nbytes // _MIN_BLOCK) * _MIN_BLOCK)
@@ -590,8 +708,11 @@ class SimCuda:
                                  offset=block.offset)
             storage = t.untyped_storage()
             info = _Storage(storage.data_ptr(), nbytes, "block", self, stream.sid)
+            info.uses = [u for u in block.history if not _host_knows(u.item)]
+            block.history = []
             _S.storages[info.base] = info
             info.finalizers.append(weakref.finalize(storage, self._block_died, info, block))
+        _raise_recorded()  # (a wait under memory pressure on the event loop)
         return t
 
     def _find(self, size: int, stream: int) -> _Block | None:
@@ -611,6 +732,8 @@ class SimCuda:
             tail = _Block(seg, best.offset + size, rest)
             seg.blocks.insert(seg.blocks.index(best) + 1, tail)
             best.size = size
+            tail.prune(best.history)
+            best.prune(best.history)
         return best
 
     def _grow(self, size: int, stream: int) -> _Block:
@@ -619,7 +742,14 @@ class SimCuda:
             else _LARGE_SEGMENT if size < _MIN_LARGE_ALLOC \
             else -(-size // _ROUND_LARGE) * _ROUND_LARGE
         if self._reserved + seg_size > self.capacity:
-            self._release_free()  # torch frees its cached blocks and retries
+            # torch frees its cached blocks and retries: it first waits for the events of
+            # blocks freed while recorded, and cudaFree synchronizes the device.
+            if _on_event_loop():
+                _record(f"an allocation of {size} bytes under memory pressure (it synchronizes "
+                        f"{self.name} to free cached blocks) ran on the event loop's thread "
+                        f"{threading.current_thread().name!r}: the loop stops serving meanwhile")
+            self._land_all()
+            self._release_free()
             if self._reserved + seg_size > self.capacity:
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory (simulated): tried to allocate {size} bytes on "
@@ -628,7 +758,8 @@ class SimCuda:
         mem = mmap.mmap(-1, seg_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         mem.write(bytes([POISON]) * seg_size) if seg_size <= _SMALL_SEGMENT else \
             torch.frombuffer(mem, dtype=torch.uint8).fill_(POISON)
-        seg = _Segment(mem, seg_size, stream, small)
+        seg = _Segment(mem, seg_size, stream, small,
+                       addr=torch.frombuffer(mem, dtype=torch.uint8, count=1).data_ptr())
         self._segments.append(seg)
         self.mallocs += 1
         self._count(0, 0, seg_size)
@@ -645,9 +776,18 @@ class SimCuda:
             self._check_free(info)
             _S.storages.pop(info.base, None)
             self._allocated -= block.size
+            block.prune([
+                _Use(u.item, u.base, u.start, u.end, u.write,
+                     u.what if u.earlier else info.describe(u.start, u.end), earlier=True)
+                for u in [*info.uses, *info.kernels.values()]
+                if u.item.stream.sid == info.stream and not _host_knows(u.item)])
             waits = []
             for sid in info.recorded:
                 other = _S.streams.get(sid)
+                if other is not None and other.destroyed:
+                    _record(f"{info.describe()} was freed after {other.name}, recorded on it "
+                            "(record_stream), was destroyed: the allocator records an event "
+                            "on a destroyed stream")
                 if other is not None and other.tail > other.done:
                     waits.append((sid, other.tail))
             if waits:
@@ -686,10 +826,13 @@ class SimCuda:
                          offset=block.offset).fill_(POISON)
         i = seg.blocks.index(block)
         if i + 1 < len(seg.blocks) and seg.blocks[i + 1].state == "free":
-            block.size += seg.blocks.pop(i + 1).size
+            after = seg.blocks.pop(i + 1)
+            block.size += after.size
+            block.prune(block.history + after.history)
         if i > 0 and seg.blocks[i - 1].state == "free":
             prev = seg.blocks[i - 1]
             prev.size += seg.blocks.pop(i).size
+            prev.prune(prev.history + block.history)
 
     def _process_pending(self) -> None:
         keep = []
@@ -711,20 +854,29 @@ class SimCuda:
                     seg.mem.close()
 
     def empty_cache(self) -> None:
+        # Under the allocator's lock (allocations in other threads wait), after waiting for
+        # the device: cudaFree synchronizes it.
+        self._not_capturing("empty_cache")
         if _on_event_loop():
             _record("empty_cache (a synchronizing call) ran on the event loop's thread "
                     f"{threading.current_thread().name!r}: the loop stops serving meanwhile")
         with _S.lock:
-            _tick()
+            self._land_all()
             self._release_free()
         _raise_recorded()
 
     def memory(self) -> MemoryStats:
+        # The counters as the allocator left them at its last call: a block whose recorded
+        # stream has since passed its free is still active until the next allocation.
         with _S.lock:
-            _tick()
-            self._process_pending()
             return MemoryStats(self._allocated, self._active, self._reserved,
                                self._peak_allocated, self._peak_reserved)
+
+    @property
+    def workspace_total(self) -> int:
+        """Bytes the library workspaces (see ``workspace_bytes``) hold from the allocator."""
+        return sum(-(-int(w.numel()) // _MIN_BLOCK) * _MIN_BLOCK
+                   for w in self._workspaces.values())
 
     def reset_peak(self) -> None:
         with _S.lock:
@@ -743,6 +895,8 @@ class SimCuda:
 
     def record_stream(self, t: torch.Tensor, stream: SimStream) -> None:
         with _S.lock:
+            if stream.destroyed:
+                _fail(f"record_stream on {stream.name}, which was destroyed")
             info = _S.storages.get(t.untyped_storage().data_ptr())
             if info is not None and info.sim is self and stream.sid != info.stream:
                 info.recorded.add(stream.sid)
@@ -750,9 +904,19 @@ class SimCuda:
     # -- pinned memory -------------------------------------------------------------------
     def host_register(self, ptr: int, nbytes: int) -> int:
         self._context("cudaHostRegister")
+        self._not_capturing("cudaHostRegister")
+        if _on_event_loop():
+            _record(f"cudaHostRegister of {nbytes} bytes (it pins every page, blocking) ran on "
+                    f"the event loop's thread {threading.current_thread().name!r}: the loop "
+                    "stops serving meanwhile")
+        time.sleep(nbytes / self.register_rate)
         with _S.lock:
-            if sum(self._pinned.values()) + nbytes > self.locked_limit:
-                return CUDA_ERROR_MEMORY_ALLOCATION
+            error = self.register_error
+            if not error and sum(self._pinned.values()) + nbytes > self.locked_limit:
+                error = CUDA_ERROR_MEMORY_ALLOCATION
+            if error:
+                _S.tls.error = (error, "cudaHostRegister")
+                return error
             self._pinned[ptr] = nbytes
             bisect.insort(self._pinned_starts, ptr)
         return 0
@@ -762,6 +926,7 @@ class SimCuda:
         with _S.lock:
             nbytes = self._pinned.pop(ptr, None)
             if nbytes is None:
+                _S.tls.error = (CUDA_ERROR_INVALID_VALUE, "cudaHostUnregister")
                 return CUDA_ERROR_INVALID_VALUE
             self._pinned_starts.remove(ptr)
             for info in list(_S.storages.values()):
@@ -785,6 +950,7 @@ class SimCuda:
             self._order(None, _S.host, [(t, True)], "a host write")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._launch("a copy")
         if not dst.numel():
             return
         to_device, from_device = self.is_device(dst), self.is_device(src)
@@ -843,31 +1009,45 @@ class SimCuda:
                 if ordered:
                     item.stream._complete(item.pos)  # it has run when this runs
                     continue
+                where = info.describe(start, end)
+                if use.earlier:
+                    where += f", a block that held {use.what} (freed, its work still queued)"
                 if stream is None:
                     verb = "writes" if write else "reads"
-                    _fail(f"{what} by the host {verb} {info.describe(start, end)} while "
+                    _fail(f"{what} by the host {verb} {where} while "
                           f"{item.describe()} still {'writes' if use.write else 'reads'} it "
                           "(the host never waited for it)")
                 if write:
                     _fail(f"{what} {'overwrites' if not use.write else 'writes'} "
-                          f"{info.describe(start, end)} while {item.describe()} still "
+                          f"{where} while {item.describe()} still "
                           f"{'writes' if use.write else 'reads'} it (not ordered after it)")
-                _fail(f"{what} reads {info.describe(start, end)} before {item.describe()} "
+                _fail(f"{what} reads {where} before {item.describe()} "
                       "into it landed (not ordered after it)")
 
-    def _kernel(self, module: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
-        """The kernels of ``module``'s forward read ``tensors`` (device memory of this GPU)."""
+    def _kernel(self, module: torch.nn.Module, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        """The kernels of ``module``'s forward read ``tensors`` (device memory of this GPU),
+        and write those flagged (updated in place: batch-norm statistics)."""
         stream = self.current_stream()
         what = f"a kernel of {type(module).__name__}"
+        self._launch(what)
+        key = (threading.get_ident(), stream.sid)
+        if self.workspace_bytes and key not in self._workspaces:
+            with self.use_stream(stream):
+                workspace = self._empty(self.workspace_bytes)
+            self.label(workspace, f"a library workspace (thread "
+                                  f"{threading.current_thread().name!r})")
+            self._workspaces[key] = workspace
         with _S.lock:
             _tick()
             knows = _merge(stream.knows, _S.host)
-            self._order(stream, knows, [(t, False) for t in tensors], what)
+            self._order(stream, knows, tensors, what)
             item = stream._queue("kernel", what, self._random.uniform(0.0, self.max_lag))
-            for t in tensors:
+            for t, write in tensors:
                 info = _S.storages[t.untyped_storage().data_ptr()]
                 base, start, end = _range(t)
-                info.kernels[stream.sid] = _Use(item, base, start, end, False, "")
+                # The last read and the last write of each stream (a later read on the same
+                # stream must not hide an earlier write from a copy that only reads).
+                info.kernels[stream.sid * 2 + write] = _Use(item, base, start, end, write, "")
         _raise_recorded()
 
 
@@ -907,22 +1087,33 @@ def _host_died(info: _Storage) -> None:
 
 def _before_forward(module: torch.nn.Module, args: Any) -> None:
     _S.tls.forwards = getattr(_S.tls, "forwards", 0) + 1
+    # The version counters of its own tensors: one that changed was written in place.
+    if not hasattr(_S.tls, "versions"):
+        _S.tls.versions = []
+    _S.tls.versions.append({id(t): t._version for table in (module._parameters, module._buffers)
+                            for t in table.values() if t is not None})
 
 
 def _after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
     """A global forward hook (called even when the forward raised): the module's forward
     queued kernels reading its own tensors."""
     _S.tls.forwards = max(0, getattr(_S.tls, "forwards", 0) - 1)
+    stack = getattr(_S.tls, "versions", None)
+    versions: dict[int, int] = stack.pop() if stack else {}
     if not _S.devices or (output is None and sys.exc_info()[0] is not None):
         return
-    found: dict[int, tuple[SimCuda, list[torch.Tensor]]] = {}
+    found: dict[int, tuple[SimCuda, list[tuple[torch.Tensor, bool]]]] = {}
     for table in (module._parameters, module._buffers):
         for t in table.values():
             if t is None or not t.numel():
                 continue
             info = _S.storages.get(t.untyped_storage().data_ptr())
             if info is not None and info.sim is not None:
-                found.setdefault(id(info.sim), (info.sim, []))[1].append(t)
+                # Written in place: its version moved (``p.add_()``), or a buffer of a module
+                # in training (batch-norm statistics: the kernel bumps no version).
+                written = versions.get(id(t), t._version) != t._version or \
+                    (module.training and table is module._buffers)
+                found.setdefault(id(info.sim), (info.sim, []))[1].append((t, written))
     for sim, tensors in found.values():
         sim._kernel(module, tensors)
 

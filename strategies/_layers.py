@@ -68,7 +68,7 @@ def make_device_layer(device: str | torch.device | None) -> DeviceLayer:
         return OrderingDevice(dev, seed=layer_seed())
     if kind == "cuda-sim":
         from ._cuda import CudaDevice
-        from ._cudasim import SimCuda
+        from ._cudasim import WORKSPACE_BYTES, SimCuda
 
-        return CudaDevice(dev, runtime=SimCuda(seed=layer_seed()))
+        return CudaDevice(dev, runtime=SimCuda(seed=layer_seed(), workspace_bytes=WORKSPACE_BYTES))
     return CpuDevice(dev)

@@ -33,7 +33,7 @@ import torch
 
 from ._cuda import CudaDevice
 from ._cudart import CudaRuntime
-from ._cudasim import CudaSimViolation, SimCuda, check_cuda_sim
+from ._cudasim import WORKSPACE_BYTES, CudaSimViolation, SimCuda, check_cuda_sim
 from ._device import CpuDevice, DeviceLayer, Tier, resolve_device
 from ._fileread import FileRegion
 from ._layers import DEVICE_LAYER_ENV, LAYER_KINDS, cpu_layer_kind, layer_seed, seed_layers
@@ -181,7 +181,8 @@ class _SimFaultyDevice(FaultyCudaDevice):
     fault-injecting layer ``RESIDENCY_DEVICE_LAYER=cuda-sim`` selects for a CPU device."""
 
     def __init__(self, device: torch.device | None = None, **faults: Any) -> None:
-        super().__init__(device, SimCuda(seed=layer_seed()), **faults)
+        super().__init__(device, SimCuda(seed=layer_seed(), workspace_bytes=WORKSPACE_BYTES),
+                         **faults)
 
 
 def faulty_cpu_layer_class() -> type[FaultInjection]:

@@ -283,7 +283,7 @@ async def link(layer: CudaDevice, real: bool, nbytes: int, repeats: int) -> dict
     own (``CudaDevice.alloc(..., "host")``) and, on the real GPU, torch's pinned memory
     (``pin_memory=True``, the reference of the bandwidth targets: ``h2d_gbps``/``d2h_gbps``
     are torch's there, the mirror's on the simulator)."""
-    mirror = layer.alloc(nbytes, "host")
+    mirror = await anyio.to_thread.run_sync(layer.alloc, nbytes, "host")  # pinning blocks
     assert layer.runtime.is_pinned(mirror)
     ours = await anyio.to_thread.run_sync(flat_copies, layer, mirror, repeats)
     del mirror

@@ -132,12 +132,13 @@ async def test_a_dirty_evict_waits_on_its_own_copy_not_the_device() -> None:
         assert "synchronize" not in layer.calls
 
 
-@pytest.mark.parametrize("mode", ["resident", "layerwise-offload", "component-offload"])
+@pytest.mark.parametrize("mode", ["snapshot-offload", "layerwise-offload", "component-offload"])
 async def test_a_forward_where_moves_cannot_be_ordered_is_refused_and_changes_nothing(
         mode: str) -> None:
     """When the layer refuses compute (CUDA graph capture, a non-default stream), a forward
-    of the component raises UnsupportedCompute before any layer moves, and the next forward
-    that may run computes exactly."""
+    of a component whose weights move around its forwards raises UnsupportedCompute before
+    any layer moves, and the next forward that may run computes exactly (a resident one is
+    not refused: tests/strategies/test_cuda_layer.py)."""
     layer = RecordingDevice()
     ctl, pipe, expected = await _attached(f"transformer={mode}", layer)
     async with ctl:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -202,16 +204,21 @@ def test_the_host_writing_a_buffer_a_copy_still_reads_is_refused() -> None:
 
 def test_pinned_registration_is_bounded_and_seen_by_is_pinned() -> None:
     """Registered host ranges are pinned; past the locked-memory limit registration fails
-    with cudaErrorMemoryAllocation; unregistering an unknown range is an error code too."""
+    with cudaErrorMemoryAllocation, left as the thread's last error: the next launch on the
+    thread raises it unless cleared; unregistering an unknown range is an error code too."""
     gpu = SimCuda(locked_limit=8192)
     buf = host(8192)
     with gpu.use_device():
         assert gpu.host_register(buf.data_ptr(), 4096) == 0
         assert gpu.is_pinned(buf[:10]) and not gpu.is_pinned(buf[4096:])
         assert gpu.host_register(buf.data_ptr() + 4096, 8192) == 2
+        with pytest.raises(CudaSimViolation, match=r"cudaErrorMemoryAllocation.*cudaHostRegister"):
+            gpu.empty(64)
         assert gpu.host_unregister(buf.data_ptr()) == 0
         assert gpu.host_unregister(buf.data_ptr()) == 1
+        assert gpu.clear_error() == 1 and gpu.clear_error() == 0
     assert not gpu.is_pinned(buf)
+    assert len(check_cuda_sim()) == 1  # the one raised
 
 
 def test_calls_made_with_another_device_current_are_reported() -> None:
@@ -261,3 +268,195 @@ def test_a_copy_nobody_waited_for_is_reported_at_the_check_and_then_forgotten() 
     event.record(copier)
     gpu.discard(event)
     assert check_cuda_sim() == []
+
+
+def test_a_reused_block_carries_the_old_tenants_queued_kernels() -> None:
+    """A block freed while a kernel queued on its stream still reads it, then handed to a new
+    tensor, keeps that kernel: a copy on another stream into the new tenant, not ordered after
+    the compute stream, is refused; after a wait_stream it runs."""
+    gpu = SimCuda(max_lag=10.0)
+    copier = gpu.new_stream()
+    lin = nn.Linear(4, 4, bias=False)
+    old = gpu.empty(64)
+    gpu.label(old, "component 'unet' unit 'down.0'")
+    address = old.data_ptr()
+    with torch.no_grad():
+        lin.weight.data = old.view(torch.float32).view(4, 4)
+        lin(torch.ones(1, 4))  # a kernel queued on the compute stream reads the block
+    del lin, old
+    new = gpu.empty(64)
+    assert new.data_ptr() == address
+    with gpu.use_stream(copier), pytest.raises(CudaSimViolation, match=r"'down\.0'.*not ordered"):
+        gpu.copy(new, host(64))
+    copier.wait_stream(gpu.default_stream())
+    with gpu.use_stream(copier):
+        gpu.copy(new, host(64))
+    with gpu.use_device():
+        copier.synchronize()
+    assert bool((new == 7).all())
+    assert len(check_cuda_sim()) == 1  # the one raised
+
+
+def test_an_event_recorded_on_another_devices_stream_is_refused() -> None:
+    """An event of one GPU recorded on a stream of another is an error (CUDA's
+    cudaErrorInvalidResourceHandle): raised naming both devices."""
+    first, second = SimCuda(index=1), SimCuda(index=2)
+    event = first.event()
+    with pytest.raises(CudaSimViolation, match=r"event of simulated cuda:1.*cuda:2"):
+        event.record(second.new_stream())
+    assert len(check_cuda_sim()) == 1
+
+
+def test_synchronizing_calls_while_a_graph_is_captured_are_refused() -> None:
+    """While a stream of the device captures a graph, a host wait, a device synchronize,
+    empty_cache and cudaHostRegister are errors (they would invalidate the capture)."""
+    gpu = SimCuda()
+    buf = host(4096)
+    event = gpu.event()
+    event.record(gpu.new_stream())
+    calls: list[Callable[[], object]] = [
+        event.synchronize, gpu.synchronize, gpu.empty_cache,
+        lambda: gpu.host_register(buf.data_ptr(), 4096)]
+    with gpu.use_device(), gpu.capture():
+        for call in calls:
+            with pytest.raises(CudaSimViolation, match="captur"):
+                call()
+    assert len(check_cuda_sim()) == 4
+
+
+@pytest.mark.anyio
+async def test_pinned_registration_takes_time_and_is_reported_on_the_event_loop() -> None:
+    """cudaHostRegister takes time in proportion to its bytes (the driver pins every page)
+    and blocks: in a worker thread it is not reported, on the event loop's thread it is."""
+    import anyio.to_thread
+
+    gpu = SimCuda(register_rate=2**30)  # 1 GiB/s: 4 MiB take at least 4 ms
+    buf, other = host(4 * MiB), host(4 * MiB)
+
+    def register() -> float:
+        start = time.monotonic()
+        with gpu.use_device():
+            assert gpu.host_register(buf.data_ptr(), 4 * MiB) == 0
+        return time.monotonic() - start
+
+    assert await anyio.to_thread.run_sync(register) >= 4 * MiB / 2**30
+    assert check_cuda_sim() == []
+    with gpu.use_device():
+        assert gpu.host_register(other.data_ptr(), 4 * MiB) == 0
+    problems = check_cuda_sim()
+    assert len(problems) == 1 and "cudaHostRegister" in problems[0] and "event loop" in problems[0]
+
+
+def test_empty_cache_synchronizes_the_device() -> None:
+    """empty_cache waits for the device (cudaFree synchronizes): a copy queued on a copy
+    stream has landed, and the host knows, when it returns."""
+    gpu = SimCuda(max_lag=10.0)
+    stream = gpu.new_stream()
+    dst = gpu.empty(64)
+    with gpu.use_stream(stream):
+        gpu.copy(dst, host(64))
+    event = gpu.event()
+    event.record(stream)
+    with gpu.use_device():
+        gpu.empty_cache()
+    assert event.query() and bool((dst == 7).all())
+    assert check_cuda_sim() == []
+
+
+def test_memory_stats_change_at_the_next_allocation_not_when_read() -> None:
+    """A block freed while a recorded stream is busy stays active after that stream passed
+    the free until the allocator next runs (an allocation), as torch processes its events."""
+    gpu = SimCuda(max_lag=10.0)
+    copier = gpu.new_stream()
+    a = gpu.empty(4096)
+    with gpu.use_stream(copier):
+        gpu.copy(a, host(4096))
+    gpu.record_stream(a, copier)
+    del a
+    with gpu.use_device():
+        copier.synchronize()
+    assert gpu.memory().active == 4096
+    b = gpu.empty(512)
+    assert (gpu.memory().active, gpu.memory().allocated) == (512, 512)
+    del b
+
+
+@pytest.mark.anyio
+async def test_an_allocation_under_pressure_waits_for_queued_work_and_blocks() -> None:
+    """An allocation that does not fit frees the cache first, waiting for every stream's
+    queued work (torch synchronizes before cudaFree): a block still recorded on a busy
+    stream is then reused; on the event loop's thread that wait is reported."""
+    import anyio.to_thread
+
+    gpu = SimCuda(max_lag=10.0, capacity=40 * MiB)
+    copier = gpu.new_stream()
+
+    def allocate() -> int:
+        first = gpu.empty(30 * MiB)
+        with gpu.use_stream(copier):
+            gpu.copy(first[:64], host(64))
+        gpu.record_stream(first, copier)
+        del first
+        second = gpu.empty(30 * MiB)  # only fits once the first segment is given back
+        reserved = gpu.memory().reserved
+        del second
+        return reserved
+
+    assert await anyio.to_thread.run_sync(allocate) == 30 * MiB
+    assert copier.query() and check_cuda_sim() == []
+    with pytest.raises(CudaSimViolation, match="event loop"):
+        allocate()
+    assert len(check_cuda_sim()) == 1
+
+
+def test_a_threads_first_kernel_takes_a_workspace_that_is_never_freed() -> None:
+    """The first kernel each of two host threads runs at once on the device takes a library
+    workspace (cuBLAS: 32 MiB on Hopper) from the allocator, counted as allocated and kept
+    after the threads end; a thread's later kernels take none."""
+    gpu = SimCuda(workspace_bytes=MiB)
+    lin = nn.Linear(4, 4)
+    for p in lin.parameters():
+        gpu.adopt(p)
+    base = gpu.memory().allocated
+
+    both = threading.Barrier(2)
+
+    def forwards() -> None:
+        with torch.no_grad():
+            lin(torch.ones(1, 4))
+            lin(torch.ones(1, 4))
+        both.wait()  # both threads alive at once: two handles, two workspaces
+
+    threads = [threading.Thread(target=forwards) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert gpu.memory().allocated - base == 2 * MiB
+    check_cuda_sim()
+
+
+def test_a_forward_writing_its_buffers_in_place_is_a_kernel_write() -> None:
+    """A forward that updates a buffer in place (batch-norm running statistics in training)
+    queues a kernel that writes it: a copy out of that buffer on another stream, not ordered
+    after the compute stream, is refused; after a wait_stream it runs."""
+    gpu = SimCuda(max_lag=10.0)
+    copier = gpu.new_stream()
+    norm = nn.BatchNorm1d(4)
+    mean = norm.running_mean
+    assert mean is not None
+    for t in (*norm.parameters(), *norm.buffers()):
+        gpu.adopt(t)
+    with torch.no_grad():
+        norm(torch.randn(8, 4))  # training: running_mean / running_var written
+    out = gpu.empty(16)
+    refused = r"reads .* before a kernel of BatchNorm1d"
+    with gpu.use_stream(copier), pytest.raises(CudaSimViolation, match=refused):
+        gpu.copy(out.view(torch.float32), mean)
+    copier.wait_stream(gpu.default_stream())
+    with gpu.use_stream(copier):
+        gpu.copy(out.view(torch.float32), mean)
+    with gpu.use_device():
+        copier.synchronize()
+    assert torch.equal(out.view(torch.float32), mean)
+    assert len(check_cuda_sim()) == 1
