@@ -95,7 +95,7 @@ async def test_a_broadcast_lands_exactly_in_a_real_model_in_buckets(trainer: Tra
         async with ctl.use("transformer") as module:
             assert torch.equal(case.run(module), case.run(source))
         group = ctl.weight_update_groups[GROUP]
-        largest = max(-(-t.nbytes // 64) * 64 for t in named.values())
+        largest = max(-(-(t.nbytes + 64) // 64) * 64 for t in named.values())  # slot: + canary
         assert 0 < group.peak_staging_bytes <= max(16 * 2**10, largest)
         assert (group.broken, group.updates, group.rank, group.world_size) == (None, 1, 1, 2)
         await ctl.aclose()
@@ -350,7 +350,8 @@ async def test_bad_group_calls_are_typed_errors_and_a_missing_trainer_a_failed_j
             ({"backend": "nccl"}, "backend", "backend 'nccl' needs a CUDA device; this controller "
                                              "serves cpu (use 'gloo')"),
             ({"timeout": 0}, "timeout", "timeout must be a positive float, got 0"),
-            ({"group_name": ""}, "group_name", "group_name must be a non-empty string, got ''"),
+            ({"group_name": ""}, "group_name", "group_name must be a non-empty string of at most 256 "
+                                               "characters, got ''"),
         ]
         for change, field, message in cases:
             args: dict[str, Any] = {"master_address": "127.0.0.1", "master_port": 29500,
