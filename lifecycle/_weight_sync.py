@@ -116,7 +116,7 @@ from ._updates import UpdatePlan, UpdateRefused, _Write
 
 __all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT", "TensorSpec", "WeightSync",
            "WeightSyncLimits", "WeightSyncTransferFailed", "WeightUpdateGroup", "parse_address",
-           "parse_dtype", "parse_specs"]
+           "parse_dtype", "parse_specs", "warm_up"]
 
 _log = get_logger("lifecycle.weight_sync")
 
@@ -300,6 +300,14 @@ def _context() -> Any:
     # Where the fork server is not running yet: it imports these once (each child forks ready).
     ctx.set_forkserver_preload(["torch", "torch.distributed", "lifecycle._weight_sync_child"])
     return ctx
+
+
+def warm_up() -> None:
+    """Start the fork server the receiving processes fork from (blocking: it imports torch,
+    seconds), so that a first init does not wait for it; ``residency serve`` does this in a
+    thread at start when it serves the group routes."""
+    _context()
+    multiprocessing.forkserver.ensure_running()
 
 
 class _Receiver:
