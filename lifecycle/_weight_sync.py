@@ -670,24 +670,24 @@ def plan_distributed(stores: Mapping[str, TensorStore], group: WeightUpdateGroup
                             f"Available Module(s): {sorted(stores)}")
     store = stores[target]
     bound = group.limits.max_staging_bytes
-    over = [s for s in specs if _slot(s.nbytes) > bound]
-    if over:
-        raise UpdateRefused(f"{len(over)} tensor(s) are over the {bound} bytes one group may "
-                            f"stage (max_staging_bytes): {[s.name[:100] for s in over[:_SHOWN]]}"
-                            f"; nothing was updated")
     plan = DistributedPlan([], (target,), group=group, specs=specs, progress=progress,
                            deadline=deadline, bucket_bytes=min(bucket_bytes, bound))
     if mode == "lora_merge":
+        targets = lora_layout(store, target, [(s.name, s.shape, s.dtype) for s in specs], scale)
         staged = sum(_slot(s.nbytes) for s in specs)
         if staged > bound:  # an adapter is received whole
             raise UpdateRefused(f"the LoRA adapter's {staged} bytes are over the {bound} bytes "
                                 f"one group may stage (max_staging_bytes); nothing was updated")
-        targets = lora_layout(store, target, [(s.name, s.shape, s.dtype) for s in specs], scale)
         bases.attach_bases(store, targets)
         merged = merge_plan(target, targets, _not_received_index)
         plan.writes, plan.merged, plan.captured = merged.writes, merged.merged, merged.captured
         plan.lora = targets
         return plan
+    over = [s for s in specs if _slot(s.nbytes) > bound]
+    if over:
+        raise UpdateRefused(f"{len(over)} tensor(s) are over the {bound} bytes one group may "
+                            f"stage (max_staging_bytes): {[s.name[:100] for s in over[:_SHOWN]]}"
+                            f"; nothing was updated")
     unknown: list[str] = []
     faults: list[str] = []
     tied: dict[int, str] = {}
