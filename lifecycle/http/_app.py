@@ -2,7 +2,8 @@
 
 Every response, error or not, has a JSON body (clients call ``.json()`` on everything).
 Typed refusals are 4xx, never 500: 400 for a refused request (with the reference's message),
-401 without the API key, 404/405 for unknown paths and methods, 408 when a body stops
+401 without the API key, 403 for the weight update group routes on a server that did not
+opt in to them, 404/405 for unknown paths and methods, 408 when a body stops
 arriving, 409 when in-flight work did not drain in time, 413 for a body over the limit, 503
 when a call waited too long for a transition. 500 is kept for a move that failed and was
 rolled back (the body says so) and for a bug; an update over a trainer's process group that
