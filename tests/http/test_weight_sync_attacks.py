@@ -23,7 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lifecycle import LifecycleController
+from lifecycle.demo import DemoPipeline
 from tests.http.attacks import MiB, Target, b64, health_watch, serve
+from tests.http.server import running_server
 from tests.ranks.trainer import Trainer, free_port
 
 pytestmark = [pytest.mark.service, pytest.mark.moves]
@@ -443,17 +446,17 @@ def test_10b_extra_and_reordered_broadcasts_are_refused(server: Target, bounded:
     usable_again(server)
 
 
-def test_routes_are_off_without_a_key_or_the_flag(tmp_path: Path) -> None:
-    """Served without --api-key or --allow-process-groups: the three group routes answer 403
-    (before the body is looked at); with a key they need it (401 without)."""
-    with serve(tmp_path / "a.log") as target:
-        for path in ("/init_weights_update_group", "/update_weights_from_distributed",
-                     "/destroy_weights_update_group"):
-            r = target.client.post(path, json={})
+def test_routes_are_off_without_a_key_or_the_flag() -> None:
+    """An app with neither an API key nor process_groups: the three group routes answer 403
+    (before the body is looked at); with a key they are served, and need it (401 without)."""
+    paths = ("/init_weights_update_group", "/update_weights_from_distributed",
+             "/destroy_weights_update_group")
+    with running_server(DemoPipeline.build(2**16), None, LifecycleController("cpu")) as s:
+        for path in paths:
+            r = s.client.post(path, json={})
             assert r.status_code == 403 and "--allow-process-groups" in r.json()["message"]
-    with serve(tmp_path / "b.log", "--api-key", "k") as target:
-        assert target.client.post("/destroy_weights_update_group", json={}).status_code == 401
-        r = target.client.post("/destroy_weights_update_group", json={},
-                               headers={"Authorization": "Bearer k"})
-        assert r.status_code == 200
-
+    with running_server(DemoPipeline.build(2**16), None, LifecycleController("cpu"),
+                        api_key="k") as s:
+        assert s.client.post(paths[2], json={}).status_code == 401
+        r = s.client.post(paths[2], json={}, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and "does not exist" in r.json()["message"]
