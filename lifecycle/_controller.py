@@ -14,8 +14,8 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import MappingProxyType
 from typing import Any, Self, TypeVar
 
@@ -35,6 +35,7 @@ from ._components import Components, abandon, adopt, build, prepare_placement, p
 from ._discard import Discard, resolve_discard, with_stale
 from ._errors import (
     NOT_INITIALIZED,
+    DrainTimeout,
     GroupBroken,
     TransitionFailed,
     TransitionRejected,
@@ -52,7 +53,7 @@ from ._results import OccupationResult, ResidencyChange, UpdateResult
 from ._sleep import Run
 from ._updates import UpdatePlan, UpdateRefused, plan_from_disk, version_label
 from ._uses import Uses
-from ._weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightSync
+from ._weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightSync, WeightSyncLimits
 
 __all__ = ["LifecycleController"]
 
@@ -81,7 +82,8 @@ class LifecycleController:
                  collective_timeout: float = 30.0,
                  device_budget: int | float | str | None = None,
                  activation_reserve: int | None = None,
-                 prefetch_headroom: int = 2**30, discard_on_release: Discard = None) -> None:
+                 prefetch_headroom: int = 2**30, discard_on_release: Discard = None,
+                 weight_sync_limits: WeightSyncLimits | None = None) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
         # With a process group every transition is collective (see lifecycle._group).
         self._ranks = Collective(process_group, collective_timeout, lambda: self.phase)
@@ -119,7 +121,8 @@ class LifecycleController:
         self._version = 0
         self._measurer = Measurer(self._uses, self._lock)
         self._lora = LoraBases()  # the pristine bases of LoRA-merged weights (lifecycle._lora)
-        self._weight_sync = WeightSync()  # groups joined with trainers (lifecycle._weight_sync)
+        # groups joined with trainers (lifecycle._weight_sync), bounded by weight_sync_limits
+        self._weight_sync = WeightSync(weight_sync_limits)
         self._label: str | None = None  # the trainer's weight_version of the served weights
         self._checksums = Checksums(self._components, self._lock, self._threads, self._ranks,
                                     lambda: self.rank)
@@ -393,8 +396,26 @@ class LifecycleController:
         """The reference system's name for :meth:`wake`."""
         return await self.wake()
 
+    @asynccontextmanager
+    async def _locked(self, trigger: str) -> AsyncIterator[None]:
+        """The controller's lock for a release or resume, waited for at most the drain
+        timeout (an update in progress holds it: one over a trainer's group may wait for its
+        broadcast); past it :class:`DrainTimeout` (409 over HTTP), nothing changed."""
+        timeout = self._admission.drain_timeout
+        acquired = False
+        with anyio.move_on_after(float("inf") if timeout is None else timeout):
+            await self._lock.acquire()
+            acquired = True
+        if not acquired:
+            assert timeout is not None
+            raise DrainTimeout(trigger, self.phase, ["an update in progress"], timeout)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     async def _occupation(self, trigger: str, discard: Discard = None) -> OccupationResult:
-        async with self._lock, self._ranks.section(trigger):
+        async with self._locked(trigger), self._ranks.section(trigger):
             rule = self._refusal(trigger)
             if rule:
                 noop = rule.kind is Refusal.NOOP
@@ -517,6 +538,12 @@ class LifecycleController:
             master_address=master_address, master_port=master_port, rank_offset=rank_offset,
             world_size=world_size, group_name=group_name, backend=backend, rank=self.rank,
             device=self.device, timeout=timeout, bucket_bytes=bucket_bytes)
+
+    def stop_weight_sync(self, after: float = 0.0) -> None:
+        """The server is stopping: joins of weight update groups in progress stop now, and
+        every wait on a trainer's broadcast ``after`` seconds from now (its update rolls
+        back and answers); new inits and updates are refused. Safe in a signal handler."""
+        self._weight_sync.shutdown(after)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group"
                                            ) -> results.WeightUpdateGroupResult:

@@ -44,8 +44,8 @@ from strategies.protocol import PreparedMove, TensorStore
 from ._errors import InvalidRequest
 from ._updates import UpdatePlan, UpdateRefused, _Write, plan_from_tensors
 
-__all__ = ["PEFT_PREFIX", "WEIGHT_UPDATE_MODES", "LoraBases", "LoraScale", "LoraTarget",
-           "lora_layout", "merge_plan", "merged_weight", "parse_lora_name", "parse_mode",
+__all__ = ["PEFT_PREFIX", "WEIGHT_UPDATE_MODES", "LoraBases", "LoraMergeNotFinite", "LoraScale",
+           "LoraTarget", "lora_layout", "merge_plan", "merged_weight", "parse_lora_name", "parse_mode",
            "parse_scale", "plan_lora_from_tensors", "plan_tensors"]
 
 WeightUpdateMode = Literal["full", "lora_merge"]
@@ -181,6 +181,10 @@ def lora_layout(store: TensorStore, component: str,
                           f"W {[out, inp]} (A must be [r, {inp}], B [{out}, r])")
             continue
         rank = a_shape[0]
+        if rank > min(out, inp):
+            faults.append(f"{target}: the adapter's rank {rank} is over min(out, in) = "
+                          f"{min(out, inp)} of W {[out, inp]}, the most a LoRA rank can be")
+            continue
         if scale.rank is not None and scale.rank != rank:
             faults.append(f"{target}: lora_rank={scale.rank} but the adapter has rank {rank} "
                           f"(A {list(a_shape)}, B {list(b_shape)})")
@@ -205,6 +209,11 @@ def lora_layout(store: TensorStore, component: str,
     return targets
 
 
+class LoraMergeNotFinite(ValueError):
+    """A merge whose result has an inf or NaN where the base was finite (``lora_alpha`` or
+    the adapter too large for the weight's dtype): the client's fault, rolled back."""
+
+
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``base + scale * (b @ a)`` in fp32 on ``device``, cast to ``dtype``; where the product
@@ -216,6 +225,9 @@ def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: f
     keep = delta == 0
     delta.add_(base32)
     merged = torch.where(keep, base32, delta).to(dtype)
+    if not bool((torch.isfinite(merged) | ~torch.isfinite(base32)).all()):
+        raise LoraMergeNotFinite(f"the merge (scale {scale:g}) makes values that are not finite "
+                                 f"in {dtype}; lora_alpha or the adapter is too large")
     if merged.device.type == "cuda":  # the write copies it on another stream: landed first
         torch.cuda.current_stream(merged.device).synchronize()
     return merged

@@ -5,6 +5,7 @@
         [--api-key KEY]
         [--auto-wake] [--drain-timeout S] [--log-json] [--discard-on-release all|NAMES]
         [--header-timeout S] [--body-timeout S] [--max-connections N] [--fd-timeout S]
+        [--allow-process-groups] [--trainer-networks CIDR[,CIDR]]
 
 ``--pipeline MODULE:FACTORY`` imports ``MODULE`` and calls ``FACTORY()``, which returns a
 pipeline (anything ``attach()`` takes) or ``(pipeline, generate)`` with ``generate`` an
@@ -22,6 +23,10 @@ An empty ``--api-key`` (or ``RESIDENCY_API_KEY``) is bad usage (it would admit a
 binding an address other than loopback without a key prints a warning. Slow clients are bounded
 (see :mod:`lifecycle.http._server`): ``--header-timeout`` seconds for a request's headers,
 ``--body-timeout`` seconds without a byte of a body, ``--max-connections`` open at once.
+
+The weight update group routes make the server connect to a trainer the client names: they
+are served with ``--api-key`` or ``--allow-process-groups`` (else 403), and only to a
+``master_address`` in ``--trainer-networks`` (loopback by default).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import ipaddress
 import os
 import socket
 import sys
+import threading
 from types import FrameType
 from typing import Any
 
@@ -39,6 +45,7 @@ from lifecycle import InfeasibleBudget, LifecycleController, configure_logging
 from lifecycle._discard import resolve_discard
 from lifecycle._pipeline import components_of
 from lifecycle._units import parse_size
+from lifecycle._weight_sync import WeightSyncLimits, warm_up
 from lifecycle.demo import DemoPipeline
 
 __all__ = ["add_arguments", "load_pipeline", "run"]
@@ -79,6 +86,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="seconds a request body may go without a byte (then 408)")
     ap.add_argument("--max-connections", type=_count, default=256,
                     help="connections open at once; past it a new one gets 503 (0: no limit)")
+    ap.add_argument("--allow-process-groups", action="store_true",
+                    help="serve the weight update group routes (/init_weights_update_group, "
+                         "/update_weights_from_distributed, /destroy_weights_update_group) "
+                         "without --api-key (with a key they are served; without either, 403)")
+    ap.add_argument("--trainer-networks", type=_networks, default=("127.0.0.0/8", "::1/128"),
+                    metavar="CIDR[,CIDR]",
+                    help="networks a weight update group's master_address may be in "
+                         "(default loopback: 127.0.0.0/8,::1/128)")
     ap.add_argument("--fd-timeout", type=_seconds, default=5.0,
                     help="seconds each step of a pickled upload's file-descriptor handshake "
                          "with its sender may take (then 400)")
@@ -89,6 +104,18 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
     return value
+
+
+def _networks(text: str) -> tuple[str, ...]:
+    """``--trainer-networks``: comma-separated networks (``10.0.0.0/8``) or addresses."""
+    nets = tuple(n.strip() for n in text.split(","))
+    for net in nets:
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated networks such as "
+                                             f"10.0.0.0/8 or addresses, got {net!r}") from None
+    return nets
 
 
 def _discard_names(text: str) -> str | list[str]:
@@ -211,11 +238,15 @@ def run(args: argparse.Namespace) -> int:
                                   drain_timeout=args.drain_timeout, auto_wake=args.auto_wake,
                                   process_group=group,
                                   collective_timeout=args.collective_timeout,
-                                  discard_on_release=discard)
+                                  discard_on_release=discard,
+                                  weight_sync_limits=WeightSyncLimits(
+                                      trainer_networks=tuple(args.trainer_networks)))
     except (ValueError, ImportError, AttributeError) as exc:
         print(f"residency serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(json=args.log_json, level="info")
+    if args.api_key is not None or args.allow_process_groups:  # a first init need not wait
+        threading.Thread(target=warm_up, name="residency-fork-server", daemon=True).start()
     driver = None
     if world > 1:
         from lifecycle.http._driver import LocalDriver
@@ -282,11 +313,15 @@ def run(args: argparse.Namespace) -> int:
             if self.should_exit:
                 self.force_exit = True
             self.should_exit = True
+            # A trainer's broadcast in flight gets the drain, less a second to roll back and
+            # answer (JSON) before the server stops waiting for its request.
+            ctl.stop_weight_sync(max(0.0, args.drain_timeout - 1.0))
 
     upload_limit = 1024 * 2**20
     app = create_app(ctl, generate=generate, api_key=args.api_key, on_startup=startup,
                      on_shutdown=shutdown, driver=driver, upload_limit=upload_limit,
-                     body_timeout=args.body_timeout, fd_timeout=args.fd_timeout)
+                     body_timeout=args.body_timeout, fd_timeout=args.fd_timeout,
+                     process_groups=args.api_key is not None or args.allow_process_groups)
     limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections or None, max_drain=upload_limit)
     config = uvicorn_config(app, limits=limits, log_level="warning", access_log=False,

@@ -2,7 +2,8 @@
 
 Every response, error or not, has a JSON body (clients call ``.json()`` on everything).
 Typed refusals are 4xx, never 500: 400 for a refused request (with the reference's message),
-401 without the API key, 404/405 for unknown paths and methods, 408 when a body stops
+401 without the API key, 403 for the weight update group routes on a server that did not
+opt in to them, 404/405 for unknown paths and methods, 408 when a body stops
 arriving, 409 when in-flight work did not drain in time, 413 for a body over the limit, 503
 when a call waited too long for a transition. 500 is kept for a move that failed and was
 rolled back (the body says so) and for a bug; an update over a trainer's process group that
@@ -67,7 +68,7 @@ from ..metrics import ControllerMetrics
 from ._driver import Driver, Generate, LocalDriver, RanksUnavailable, Upload
 from ._ranks import OutputsDisagree
 from ._transport import FD_TIMEOUT, TransportError, check_load_format
-from ._wire import TensorRequest, WireRefused, trainer_failed
+from ._wire import TensorRequest, WireRefused, client_fault, trainer_failed
 
 __all__ = ["ROUTES", "Generate", "create_app", "demo_generate"]
 
@@ -301,6 +302,7 @@ class _Service:
     upload_limit: int
     fd_timeout: float = FD_TIMEOUT
     file_check_timeout: float = 10.0
+    process_groups: bool = False  # the weight update group routes are served
 
     @property
     def ctl(self) -> LifecycleController:
@@ -403,7 +405,8 @@ def _update_response(result: UpdateResult, *, trainer: bool = False) -> Response
                                         + (found + rest if stale else ""),
                              "bytes_written": result.bytes_written, "seconds": result.seconds,
                              "weight_version": result.weight_version, "stale": stale})
-    ours = result.rolled_back and not (trainer and trainer_failed(result))
+    ours = result.rolled_back and not (trainer and trainer_failed(result)) \
+        and not client_fault(result)
     return JSONResponse({"success": False, "message": result.message, "version": result.version,
                          "rolled_back": result.rolled_back,
                          "weight_version": result.weight_version, "stale": stale},
@@ -444,10 +447,22 @@ def _update_mode(body: Mapping[str, Any], *, lora: bool = True) -> str | None:
     return mode
 
 
+#: The longest ``weight_version`` any route keeps (as sent); a longer one is refused (400).
+#: Below the upload parser's long-string threshold, so no route ever sees its placeholder.
+MAX_WEIGHT_VERSION = 1024
+
+
 def _weight_version(body: Mapping[str, Any]) -> str | None:
-    """``weight_version``: the trainer's label of the weights it sends (a string; an integer
-    is taken as its decimal string)."""
+    """``weight_version``: the trainer's label of the weights it sends (a string of at most
+    :data:`MAX_WEIGHT_VERSION` characters, kept as sent; an integer is taken as its decimal
+    string)."""
     value = body.get("weight_version")
+    if isinstance(value, _Span):  # a long string left in an upload's buffer: over the cap
+        raise _refused(f"weight_version is {len(value.view)} bytes long; at most "
+                       f"{MAX_WEIGHT_VERSION} characters")
+    if isinstance(value, str) and len(value) > MAX_WEIGHT_VERSION:
+        raise _refused(f"weight_version is {len(value)} characters long; at most "
+                       f"{MAX_WEIGHT_VERSION}")
     if value is None or isinstance(value, str):
         return None if value is None else _text("weight_version", value)
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**30:
@@ -598,6 +613,18 @@ def _texts(name: str, value: Any) -> None:
                 _text(f"{name}[{i}]", v)
 
 
+def _group_service(request: Request) -> _Service:
+    """The service, when it serves the weight update group routes; else a 403. They make the
+    server connect to an address the client names and run a receiving process: served only
+    with an API key, or when the server opted in (``process_groups``)."""
+    service = _service(request)
+    if not service.process_groups:
+        raise _refused("the weight update group routes are disabled on this server: they make "
+                       "it connect to a trainer the client names; serve with --api-key KEY, "
+                       "or with --allow-process-groups on a trusted network", 403)
+    return service
+
+
 async def _group_result(call: Callable[[], Awaitable[Any]]) -> Response:
     try:
         result = await call()
@@ -611,7 +638,7 @@ async def _group_result(call: Callable[[], Awaitable[Any]]) -> Response:
 async def init_weights_update_group(request: Request) -> Response:
     """Join the trainer's group (it is rank 0 and serves the store): every server rank joins
     as ``rank_offset`` plus its rank, waiting at most ``timeout`` seconds for the others."""
-    service = _service(request)
+    service = _group_service(request)
     body = await _body(request, service.body_limit)
     args: dict[str, Any] = {
         "master_address": _field(body, "master_address", "string", required=True),
@@ -632,7 +659,7 @@ async def update_weights_from_distributed(request: Request) -> Response:
     target module, all or nothing. The tensor list and the update's options are checked by
     the controller, which still receives the broadcast when it refuses (the trainer's
     completes): they are passed as they came."""
-    service = _service(request)
+    service = _group_service(request)
     body = await _body(request, service.body_limit)
     for name in ("names", "dtypes", "shapes"):
         if name not in body or body[name] is None:
@@ -660,7 +687,7 @@ async def update_weights_from_distributed(request: Request) -> Response:
 async def destroy_weights_update_group(request: Request) -> Response:
     """Leave the group on every rank; an absent group is a success (clients destroy before
     they init)."""
-    service = _service(request)
+    service = _group_service(request)
     body = await _body(request, service.body_limit)
     name = _field(body, "group_name", "string", default="weight_update_group")
     return await _group_result(lambda: service.driver.destroy_weights_update_group(name))
@@ -864,7 +891,7 @@ def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
                driver: Driver | None = None,
                body_limit: int = MiB, upload_limit: int = 1024 * MiB,
                body_timeout: float | None = 30.0, fd_timeout: float = FD_TIMEOUT,
-               file_check_timeout: float = 10.0,
+               file_check_timeout: float = 10.0, process_groups: bool | None = None,
                on_startup: Callable[[], Awaitable[None]] | None = None,
                on_shutdown: Callable[[], Awaitable[None]] | None = None) -> ASGIApp:
     """The ASGI app serving ``ctl``: the routes of :data:`ROUTES`, JSON everywhere.
@@ -876,7 +903,9 @@ def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
     one); ``body_timeout``: seconds without a byte of a body being read before a 408 (None:
     wait forever); ``fd_timeout``: seconds each step of a ``file_descriptor`` handshake of a
     pickled upload may take; ``file_check_timeout``: seconds a disk update's look at its weight
-    files may take (a hung file system) before a 400. ``on_startup`` / ``on_shutdown`` run in
+    files may take (a hung file system) before a 400. ``process_groups``: serve the weight
+    update group routes (they make the server connect to a trainer the client names); None:
+    only with an ``api_key`` (else they answer 403). ``on_startup`` / ``on_shutdown`` run in
     the server's lifespan (``residency serve`` attaches and detaches there); ``driver``
     replaces the direct calls to ``ctl`` (several ranks: every call on every rank).
 
@@ -886,7 +915,8 @@ def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
         raise ValueError("api_key is empty: it would admit 'Authorization: Bearer ' with no "
                          "token; give a key, or None to serve without one")
     service = _Service(driver or LocalDriver(ctl, generate), metrics or ControllerMetrics(ctl),
-                       body_limit, upload_limit, fd_timeout, file_check_timeout)
+                       body_limit, upload_limit, fd_timeout, file_check_timeout,
+                       api_key is not None if process_groups is None else process_groups)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -189,3 +189,10 @@ def trainer_failed(result: UpdateResult) -> bool:
     trainer died, stalled or left the group): the client's failure, not the server's."""
     reasons = [result.message, *result.failed_ranks.values()]
     return result.rolled_back and any("WeightSyncTransferFailed" in r for r in reasons)
+
+
+def client_fault(result: UpdateResult) -> bool:
+    """An update rolled back for what the client sent (a LoRA merge whose result is not
+    finite), on any route: 400, not the server's 500."""
+    reasons = [result.message, *result.failed_ranks.values()]
+    return result.rolled_back and any("LoraMergeNotFinite" in r for r in reasons)

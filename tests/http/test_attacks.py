@@ -68,7 +68,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     take about a second each."""
     log = tmp_path_factory.mktemp("serve") / "stderr.log"
     with serve(log, "--header-timeout", "1", "--body-timeout", "1", "--fd-timeout", "1",
-               "--max-connections", "16") as target:
+               "--max-connections", "16", "--allow-process-groups") as target:
         yield target
 
 

@@ -49,7 +49,8 @@ def trainer() -> Iterator[Trainer]:
 @pytest.fixture
 def served() -> Iterator[Served]:
     """The demo pipeline (the smallest) served in this process by one rank."""
-    with running_server(DemoPipeline.build(2**16), None, LifecycleController("cpu")) as s:
+    with running_server(DemoPipeline.build(2**16), None, LifecycleController("cpu"),
+                        process_groups=True) as s:
         yield s
 
 
@@ -191,7 +192,9 @@ def test_a_wrong_shape_is_refused_at_once_and_a_killed_trainer_breaks_the_group(
         # A tensor announced too large to hold cannot be drained: a 400, the group broken.
         r = post(client, "/update_weights_from_distributed", {
             "names": ["huge"], "dtypes": ["float32"], "shapes": [[10**30]]})
-        assert r.status_code == 400 and "match no parameter or buffer" in r.json()["message"]
+        assert r.status_code == 400 and r.json()["message"] == \
+            "1 tensor(s) are over the 4294967296 bytes one group may stage " \
+            "(max_staging_bytes): ['huge']; nothing was updated"
         broken = client.get("/state").json()["weight_update_groups"][GROUP]["broken"]
         assert "cannot be received here" in broken
     finally:
@@ -254,7 +257,7 @@ def test_two_server_ranks_take_each_broadcast_and_pick_their_own_tensor_parallel
     params = dict(local.modules["transformer"].named_parameters())
     trainer = Trainer()
     try:
-        with serving_ranks("--size", "16MB", env=DNS) as (_, client):
+        with serving_ranks("--size", "16MB", "--allow-process-groups", env=DNS) as (_, client):
             assert checksums(client)["transformer"] == reference_checksum(params.items())
             port = trainer.init(world_size=3)  # the trainer waits for the ranks from now on
             r = post(client, "/init_weights_update_group", init_body(port, world_size=2))
