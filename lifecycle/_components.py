@@ -44,7 +44,13 @@ from strategies.protocol import (
 
 from . import _events as events
 from ._discard import refuse_stale, stale_counts
-from ._errors import ComponentAsleep, ComponentBusy, ComponentNotPlaced, TransitionRejected
+from ._errors import (
+    ComponentAsleep,
+    ComponentBusy,
+    ComponentNotPlaced,
+    TransitionRejected,
+    UnknownComponent,
+)
 from ._events import get_logger
 from ._phase import Phase
 from ._results import ComponentPlacement, PlacementReport
@@ -84,12 +90,11 @@ class Components(Mapping[str, Component]):
         return name in self._by_name
 
     def component(self, name: str) -> Component:
-        """Component ``name``, or a KeyError naming the components there are."""
+        """Component ``name``, or :class:`UnknownComponent` naming the components there are."""
         try:
             return self._by_name[name]
         except KeyError:
-            raise KeyError(f"no component {name!r}; components: {sorted(self._by_name)}") \
-                from None
+            raise UnknownComponent(name, list(self._by_name)) from None
 
     def stores(self) -> dict[str, TensorStore]:
         return {n: c.strategy.store for n, c in self._by_name.items()}
@@ -142,10 +147,12 @@ class Components(Mapping[str, Component]):
         if phase is Phase.SLEEPING:
             raise ComponentAsleep(name)
         strategy = self._by_name[name].strategy
-        if phase is not Phase.UNINITIALIZED and not strategy.ready():
-            raise ComponentNotPlaced(name, strategy.mode.value)
+        # Stale first: discarded weights serve nothing wherever they are (inside use() too),
+        # so that is the reason to give even when the component is also not placed.
         if strategy.store.stale_count:
             refuse_stale([self._by_name[name]])
+        if phase is not Phase.UNINITIALIZED and not strategy.ready():
+            raise ComponentNotPlaced(name, strategy.mode.value)
         # Uses are drained before either is set: a forward now runs outside use(), and a
         # streaming one would fetch from (or evict into) host stores the move or the update
         # is copying or writing.

@@ -27,7 +27,13 @@ from strategies.protocol import ComputeGuard, Move
 from . import _events as events
 from ._admission import Admission
 from ._discard import refuse_stale
-from ._errors import NOT_INITIALIZED, ComponentAsleep, TransitionRejected, failures_roll_back
+from ._errors import (
+    NOT_INITIALIZED,
+    ComponentAsleep,
+    TransitionRejected,
+    UnknownComponent,
+    failures_roll_back,
+)
 from ._events import get_logger
 from ._phase import Phase
 
@@ -236,8 +242,7 @@ class Uses:
     async def request(self, order: Sequence[str]) -> AsyncIterator[None]:
         unknown = [n for n in order if n not in self.components]
         if unknown:
-            raise KeyError(f"request names unknown components {unknown}; "
-                           f"components: {sorted(self.components)}")
+            raise UnknownComponent(unknown[0], list(self.components))
         # The whole request holds a lease: a sleep or an update that comes while it runs
         # waits for all of it (drains it), not just for the use in progress, so a generation
         # is never cut between two of its components.

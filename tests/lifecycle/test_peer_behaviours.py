@@ -4,6 +4,8 @@ names the peer test whose scenario it plays."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import pytest
 import torch
 import transformers
@@ -126,3 +128,68 @@ async def test_a_clip_model_with_its_scalar_logit_scale_sleeps_by_discarding(mod
         assert (await ctl.update_weights_from_tensors(state, "clip")).success
         async with ctl.use("clip"):
             assert torch.equal(clip_logits(model), expected)
+
+
+# -- 8: unknown component names ---------------------------------------------------------
+async def test_every_call_naming_an_unknown_component_raises_unknown_component() -> None:
+    """SGLang's weights updater (runtime/post_training/weights_updater.py, exercised by
+    test/unit/test_weights_updater.py) refuses a module the pipeline lacks naming the
+    available ones; so does every name look-up here: use, request, strategy, weights_checksum,
+    mark_dirty, plan's declared uses and the pipeline adapter's order all raise
+    UnknownComponent naming the known components, and nothing changes."""
+    from lifecycle import UnknownComponent
+    from lifecycle.adapters import PipelineRunner
+    from lifecycle.demo import DemoPipeline
+
+    pipe = DemoPipeline.build(2**16)
+    async with LifecycleController(device_layer=FaultyDevice()) as ctl:
+        await ctl.attach(pipe)
+        before = ctl.weights_checksum()
+        known = ["text_encoder", "transformer", "vae"]
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "use": lambda: ctl.use("unet").__aenter__(),
+            "request": lambda: ctl.request(["text_encoder", "unet"]).__aenter__(),
+            "plan": lambda: ctl.plan("70%", uses=["unet"]),
+            "runner": PipelineRunner(lambda: None, ctl, order=["unet"]),
+        }
+        for name, call in calls.items():
+            with pytest.raises(UnknownComponent) as caught:
+                await call()
+            assert (name, caught.value.component, caught.value.known) == (name, "unet", known)
+        for sync in (lambda: ctl.strategy("unet"), lambda: ctl.weights_checksum(["unet"]),
+                     lambda: ctl.mark_dirty(["unet"])):
+            with pytest.raises(UnknownComponent, match=r"\['unet'\]. Available Module\(s\): "
+                               r"\['text_encoder', 'transformer', 'vae'\]"):
+                sync()
+        assert ctl.in_flight == 0 and ctl.weights_checksum() == before
+
+
+async def test_an_upload_matching_nothing_is_refused_naming_its_keys_as_given() -> None:
+    """SGLang's test/unit/test_weights_updater.py::test_text_encoder_receives_unmapped_names
+    (names reach the loader as the caller wrote them): a tensor upload whose keys match
+    nothing is refused naming those keys as sent, the module prefix not added again."""
+    from lifecycle.demo import DemoPipeline
+
+    async with LifecycleController(device_layer=FaultyDevice()) as ctl:
+        await ctl.attach(DemoPipeline.build(2**16))
+        result = await ctl.update_weights_from_tensors(
+            {"transformer.no_such.weight": torch.zeros(2)}, "transformer")
+        assert (result.success, result.message) == (
+            False, "1 key(s) match no parameter or buffer of transformer: "
+                   "['transformer.no_such.weight']; nothing was updated")
+
+
+@pytest.mark.parametrize("mode", ["component-offload", "snapshot-offload"])
+async def test_a_forward_outside_use_of_a_stale_offloaded_component_says_discarded(mode: str
+                                                                                   ) -> None:
+    """vLLM's test_cumem.py::test_cumem_with_cudagraph (discarded memory is not the weights):
+    a forward outside use() of an offloaded component whose weights a sleep discarded is
+    refused as WeightsDiscarded (the reason that holds whatever the placement), not as
+    not placed."""
+    model = EveryShape()
+    async with LifecycleController(device_layer=FaultyDevice(), residency=f"m={mode}") as ctl:
+        await ctl.attach({"m": model})
+        await ctl.sleep(discard=True)
+        await ctl.wake()
+        with pytest.raises(WeightsDiscarded, match=r"Modules \['m'\] have discarded weights"):
+            model(torch.zeros(1, 8))
