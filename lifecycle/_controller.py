@@ -315,8 +315,9 @@ class LifecycleController:
 
         With a plan made with a warm-up (or ``validate=`` an async request callable), one
         validation request runs after applying it; if its peak passes the plan's budget, or
-        it takes more than ``latency_tolerance`` longer than predicted, the previous
-        residency is restored and the result says why. ``validate=False`` skips it."""
+        it takes more than ``latency_tolerance`` longer than predicted, or it raises (or is
+        cancelled: restored, then the cancellation goes on), the previous residency is
+        restored and the result says why. ``validate=False`` skips it."""
         config = residency.config if isinstance(residency, ResidencyPlan) else \
             ResidencyConfig.parse(residency)
         previous = self.config

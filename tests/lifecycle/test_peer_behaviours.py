@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import anyio
 import pytest
 import torch
 import transformers
 from torch import nn
 
-from lifecycle import LifecycleController, WeightsDiscarded
+from lifecycle import InfeasibleBudget, LifecycleController, WeightsDiscarded
 from lifecycle.testing import FaultyDevice
 from tests.models.zoo import _clip_config, _clip_inputs
 
@@ -193,3 +194,49 @@ async def test_a_forward_outside_use_of_a_stale_offloaded_component_says_discard
         await ctl.wake()
         with pytest.raises(WeightsDiscarded, match=r"Modules \['m'\] have discarded weights"):
             model(torch.zeros(1, 8))
+
+
+# -- 2: a validation request that raises ------------------------------------------------
+@pytest.mark.parametrize("fault", ["injected allocation", "out of memory", "cancelled"])
+async def test_a_validation_request_that_raises_restores_the_previous_residency(fault: str
+                                                                                ) -> None:
+    """SGLang's test/unit/test_auto_residency_warmup.py::
+    test_validation_rpc_failure_rolls_back_and_rewarms and
+    ::test_failed_first_calibration_rolls_back_and_rewarms (the warm-up raising "oom"): a
+    validation request that fails (an allocation fault in its use, an out-of-memory error,
+    a cancellation) undoes the plan: the old residency is back and serves exactly."""
+    from lifecycle.demo import DemoPipeline
+
+    pipe = DemoPipeline.build(2**18)
+    expected = pipe.forward_sync(steps=2)
+    layer = FaultyDevice()
+    uses = ["text_encoder", "transformer", "vae"]
+    async with LifecycleController(device_layer=layer) as ctl:
+        await ctl.attach(pipe)
+        before = ctl.config
+        with pytest.raises(InfeasibleBudget) as info:
+            await ctl.plan(0, uses=uses)
+        plan = await ctl.plan(info.value.minimum_bytes, uses=uses)  # components offloaded
+
+        async def failing() -> None:
+            if fault == "injected allocation":
+                layer.arm(alloc_at=1)
+                await pipe.generate(ctl=ctl, steps=1)
+            elif fault == "out of memory":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            else:
+                await anyio.sleep(30)
+
+        if fault == "cancelled":
+            with anyio.move_on_after(0.2) as scope:
+                await ctl.set_residency(plan, validate=failing)
+            assert scope.cancelled_caught
+        else:
+            change = await ctl.set_residency(plan, validate=failing)
+            assert (change.success, change.rolled_back) == (False, True)
+            assert change.message.startswith("plan undone, previous residency restored: the "
+                                             "validation request raised ")
+        assert ctl.config == before
+        assert {c.mode for c in ctl.report().components.values()} == {"resident"}
+        assert ctl.in_flight == 0
+        assert torch.equal(await pipe.generate(ctl=ctl, steps=2), expected)
