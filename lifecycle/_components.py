@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 
@@ -56,9 +57,30 @@ from ._phase import Phase
 from ._results import ComponentPlacement, PlacementReport
 from ._uses import Component
 
-__all__ = ["Components", "abandon", "adopt", "build", "prepare_placement", "prepare_release"]
+__all__ = ["Components", "abandon", "adopt", "build", "prepare_placement", "prepare_release",
+           "refuse_managed"]
 
 _log = get_logger("lifecycle")
+
+# Every module (and submodule) an attached controller manages: its registry (weakly: a
+# controller dropped without a detach manages nothing), the controller's id, the component.
+# Process-wide, weak: a module garbage-collected is forgotten. One module under two
+# controllers would run each one's guard and hooks over the other's placement.
+_managed: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Components], int, str]] = \
+    weakref.WeakKeyDictionary()
+
+
+def refuse_managed(found: Mapping[str, nn.Module], controller_id: int, phase: Phase) -> None:
+    """Before an attach moves anything: refuse modules another controller manages, naming
+    it (as diffusers refuses a second offload manager on one module)."""
+    for name, module in found.items():
+        for sub in module.modules():
+            owner = _managed.get(sub)
+            if owner is not None and owner[1] != controller_id and owner[0]() is not None:
+                what = "" if sub is module else f" (its {type(sub).__name__})"
+                raise TransitionRejected(
+                    "attach", phase, f"component {name!r}{what} is managed by controller "
+                    f"{owner[1]} as component {owner[2]!r}: detach it there first")
 
 
 class Components(Mapping[str, Component]):
@@ -228,6 +250,8 @@ class Components(Mapping[str, Component]):
         forwards checked."""
         self._by_name, self._enabled = components, enabled
         for c in components.values():
+            for sub in c.module.modules():
+                _managed[sub] = (weakref.ref(self), self._controller_id, c.name)
             check = functools.partial(self.check_forward, c.name)
             c.strategy.forward_check = check
             c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
@@ -239,6 +263,10 @@ class Components(Mapping[str, Component]):
         for c in self._by_name.values():
             if c.guard:
                 c.guard.remove()
+            for sub in c.module.modules():
+                owner = _managed.get(sub)
+                if owner is not None and owner[0]() is self:
+                    del _managed[sub]
         abandon(self._by_name.values(), self._enabled)
         self._by_name, self._enabled = {}, []
 

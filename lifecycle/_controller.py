@@ -31,7 +31,15 @@ from . import _events as events
 from . import _results as results
 from ._admission import Admission
 from ._checksum import ChecksumAlgorithm, Checksums
-from ._components import Components, abandon, adopt, build, prepare_placement, prepare_release
+from ._components import (
+    Components,
+    abandon,
+    adopt,
+    build,
+    prepare_placement,
+    prepare_release,
+    refuse_managed,
+)
 from ._discard import Discard, resolve_discard, with_stale
 from ._errors import (
     NOT_INITIALIZED,
@@ -258,6 +266,11 @@ class LifecycleController:
         async with self._lock, self._ranks.section("attach"):
             self._refusal("attach")
             found = components_of(pipeline)
+            try:
+                refuse_managed(found, self.id, self.phase)
+            except TransitionRejected as exc:
+                self._rejected("attach", exc.reason)
+                raise
             if self._auto:
                 assert self.device_budget is not None
                 self.last_plan = await self._measurer.plan_at_attach(

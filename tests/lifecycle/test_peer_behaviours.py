@@ -240,3 +240,40 @@ async def test_a_validation_request_that_raises_restores_the_previous_residency(
         assert {c.mode for c in ctl.report().components.values()} == {"resident"}
         assert ctl.in_flight == 0
         assert torch.equal(await pipe.generate(ctl=ctl, steps=2), expected)
+
+
+# -- 3: one module, two controllers -----------------------------------------------------
+async def test_attaching_a_module_another_controller_manages_is_refused_naming_it() -> None:
+    """diffusers' tests/hooks/test_group_offloading.py::
+    test_error_raised_if_group_offloading_applied_on_model_offloaded_module (a module under
+    one offload manager is refused by another): a second controller attaching the pipeline,
+    or one submodule of it, is refused naming the first controller, and nothing changes;
+    after the first detaches, the second may attach it."""
+    from lifecycle import Phase, TransitionRejected
+    from lifecycle.demo import DemoPipeline
+
+    pipe = DemoPipeline.build(2**16)
+    expected = pipe.forward_sync(steps=2)
+    transformer = pipe.modules["transformer"]
+    block = next(m for m in transformer.modules() if m is not transformer
+                 and next(m.parameters(), None) is not None)
+    async with LifecycleController(device_layer=FaultyDevice(),
+                                   residency="transformer=component-offload") as first, \
+            LifecycleController(device_layer=FaultyDevice()) as second:
+        await first.attach(pipe)
+        hooks = sum(len(m._forward_pre_hooks) for m in transformer.modules())
+        refusals = {
+            "component 'text_encoder' is managed by controller "
+            f"{first.id} as component 'text_encoder': detach it there first": pipe,
+            f"component 'block' is managed by controller {first.id} as component "
+            "'transformer': detach it there first": {"block": block}}
+        for message, pipeline in refusals.items():
+            with pytest.raises(TransitionRejected) as caught:
+                await second.attach(pipeline)
+            assert str(caught.value) == message
+            assert second.phase is Phase.UNINITIALIZED and second.components == {}
+        assert sum(len(m._forward_pre_hooks) for m in transformer.modules()) == hooks
+        assert torch.equal(await pipe.generate(ctl=first, steps=2), expected)
+        await first.detach()
+        await second.attach(pipe)
+        assert torch.equal(await pipe.generate(ctl=second, steps=2), expected)
