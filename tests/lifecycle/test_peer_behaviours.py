@@ -277,3 +277,84 @@ async def test_attaching_a_module_another_controller_manages_is_refused_naming_i
         await first.detach()
         await second.attach(pipe)
         assert torch.equal(await pipe.generate(ctl=second, steps=2), expected)
+
+
+# -- 4: buffers a use updates -----------------------------------------------------------
+class Counting(nn.Module):
+    """A linear, a batch norm (running statistics in training mode) and a use counter."""
+
+    uses: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("uses", torch.zeros((), dtype=torch.int64))
+
+    def stats(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The batch norm's running mean and variance and its batch count."""
+        norm = self.norm
+        assert norm.running_mean is not None and norm.running_var is not None
+        assert norm.num_batches_tracked is not None
+        return norm.running_mean, norm.running_var, int(norm.num_batches_tracked.item())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.uses.add_(1)
+        out: torch.Tensor = self.norm(self.lin(x))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["snapshot-offload", "component-offload"])
+async def test_buffers_a_use_updates_are_kept_after_it(mode: str) -> None:
+    """SGLang's test/unit/test_component_residency.py::
+    test_snapshot_offload_preserves_host_storage_and_live_buffers (``counter.add_(1)`` in
+    each use, then ``counter == iteration + 1``): the counter and the batch norm's running
+    statistics written during uses are what a plain model has after the same forwards, use
+    after use and over a sleep and wake; snapshot-offload still drops parameter writes."""
+    model, plain = Counting().train(), Counting().train()
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    weight = model.lin.weight.detach().clone()
+    async with LifecycleController(device_layer=FaultyDevice(), residency=f"m={mode}") as ctl:
+        await ctl.attach({"m": model})
+        for i, x in enumerate(xs):
+            async with ctl.use("m"):
+                with torch.no_grad():
+                    model(x)
+                    if mode == "snapshot-offload":
+                        model.lin.weight.add_(1.0)  # dropped after the use, by design
+            with torch.no_grad():
+                plain(x)
+            mean, var, batches = model.stats()
+            assert (model.uses.item(), batches) == (i + 1, i + 1)
+            assert torch.equal(mean, plain.stats()[0]) and torch.equal(var, plain.stats()[1])
+        await ctl.sleep()
+        await ctl.wake()
+        assert model.uses.item() == 3
+        assert torch.equal(model.stats()[0], plain.stats()[0])
+        if mode == "snapshot-offload":
+            assert torch.equal(model.lin.weight, weight)
+
+
+async def test_a_failed_copy_back_of_a_snapshot_buffer_keeps_the_live_values() -> None:
+    """A fault in the copy of the buffers a snapshot-offload use wrote leaves the component
+    on the device with its live values (the mirror no longer the truth): the next sleep
+    copies it whole, and the wake brings the counter and statistics back."""
+    model, plain = Counting().train(), Counting().train()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain(x)
+    layer = FaultyDevice()
+    async with LifecycleController(device_layer=layer, residency="m=snapshot-offload") as ctl:
+        await ctl.attach({"m": model})
+        async with ctl.use("m"):
+            with torch.no_grad():
+                model(x)
+            layer.arm(copy_at=1)
+        assert layer.faults == 1
+        assert ctl.report().components["m"].device_bytes == ctl.report().components["m"].total_bytes
+        await ctl.sleep()
+        await ctl.wake()
+        async with ctl.use("m"):
+            assert model.uses.item() == 1
+            assert torch.equal(model.stats()[0], plain.stats()[0])
