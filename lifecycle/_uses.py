@@ -33,6 +33,7 @@ from ._errors import (
     TransitionRejected,
     UnknownComponent,
     failures_roll_back,
+    forget_locals,
 )
 from ._events import get_logger
 from ._phase import Phase
@@ -217,7 +218,11 @@ class Uses:
                         move = await c.strategy.prepare_use()
                     if move is not None:
                         move.commit()
-                except BaseException:
+                except BaseException as exc:
+                    # The frames the error passed through held the move-in's buffers (its
+                    # copy pairs): forgotten, as sleep, wake and updates do, or they stay
+                    # allocated for as long as the caller holds the error.
+                    forget_locals(exc)
                     c.users -= 1
                     with anyio.CancelScope(shield=True):
                         await c.strategy.finish_use()

@@ -358,3 +358,37 @@ async def test_a_failed_copy_back_of_a_snapshot_buffer_keeps_the_live_values() -
         async with ctl.use("m"):
             assert model.uses.item() == 1
             assert torch.equal(model.stats()[0], plain.stats()[0])
+
+
+# -- 5: a failed use() ------------------------------------------------------------------
+@pytest.mark.parametrize("fault", ["copy_at", "alloc_at"])
+@pytest.mark.parametrize("mode", ["component-offload", "snapshot-offload", "layerwise-offload"])
+async def test_a_failed_use_keeps_no_device_buffer_alive_through_its_exception(
+        mode: str, fault: str) -> None:
+    """SGLang's test/unit/test_component_residency.py::
+    test_component_offload_restores_cpu_after_failed_device_transfer (a failed move-in puts
+    the component back on the host): the move-in's device buffers are freed with the
+    rollback, not kept alive by the frames of the error the caller holds (the cyclic
+    collector off: nothing but the frames could free them late)."""
+    import gc
+
+    from lifecycle import TransitionFailed
+
+    layer = FaultyDevice()
+    async with LifecycleController(device_layer=layer, residency=f"m={mode}",
+                                   prefetch_components=False) as ctl:
+        await ctl.attach({"m": EveryShape()})
+        idle = layer.live_device_bytes
+        held = ctl.report().components["m"].device_bytes
+        gc.collect()
+        gc.disable()
+        try:
+            layer.arm(**{fault: 1})  # the use's one move-in
+            with pytest.raises(TransitionFailed) as caught:
+                async with ctl.use("m"):
+                    pass
+            assert layer.faults == 1
+            assert (layer.live_device_bytes, ctl.report().components["m"].device_bytes) \
+                == (idle, held), caught.value
+        finally:
+            gc.enable()
