@@ -230,10 +230,11 @@ class Components(Mapping[str, Component]):
                 self.mirror_stale(move.store.name, stale)
         return sum(m.bytes_copied for m in moves)
 
-    def rescan(self, trigger: str) -> None:
-        """Re-inventory components whose tensors were replaced behind our back; where that
-        cannot be done safely, refuse ``trigger`` before anything moves."""
-        for c in self._by_name.values():
+    def rescan(self, trigger: str, names: Sequence[str] | None = None) -> None:
+        """Re-inventory components (``names``, default all) whose tensors were replaced
+        behind our back; where that cannot be done safely, refuse ``trigger`` before
+        anything moves."""
+        for c in self._by_name.values() if names is None else map(self.component, names):
             store = c.strategy.store
             if store.structure_changed() or store.drifted():
                 _log.warning(events.STORE_RESCAN, component=c.name,

@@ -204,6 +204,11 @@ class Uses:
 
     async def _acquire(self, c: Component) -> None:
         async with c.lock:
+            if not c.users:
+                # Moved by hand since (``module.to(torch.float64)``): taken as it is if
+                # resident, else refused naming the change, as transitions do; never
+                # silently put back the way it was by this move-in.
+                self.components.rescan("use", [c.name])
             c.users += 1
             if c.users > 1:
                 return

@@ -392,3 +392,74 @@ async def test_a_failed_use_keeps_no_device_buffer_alive_through_its_exception(
                 == (idle, held), caught.value
         finally:
             gc.enable()
+
+
+# -- 6: a managed component moved by hand -------------------------------------------------
+class Small(nn.Module):
+    """Two repeated blocks and a buffer."""
+
+    offset: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.register_buffer("offset", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x + self.offset
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["component-offload", "snapshot-offload", "layerwise-offload"])
+async def test_an_offloaded_component_moved_by_hand_is_refused_naming_what_changed(
+        mode: str, dtype: torch.dtype) -> None:
+    """diffusers' tests/hooks/test_group_offloading.py::
+    test_warning_logged_if_group_offloaded_module_moved_to_accelerator (``module.to()`` on
+    a managed module is noticed): after ``module.to(dtype)`` the next use and the next
+    transition are refused naming the component and each change; the module keeps what the
+    user gave it (never silently back to float32)."""
+    from lifecycle import TransitionRejected
+
+    model = Small()
+    async with LifecycleController(device_layer=FaultyDevice(), residency=f"m={mode}") as ctl:
+        await ctl.attach({"m": model})
+        model.to(dtype)
+        new = str(dtype).removeprefix("torch.")
+        for step in ("use", "sleep", "use"):
+            with pytest.raises(TransitionRejected) as caught:
+                if step == "use":
+                    async with ctl.use("m"):
+                        pass
+                else:
+                    await ctl.sleep()
+            assert (caught.value.trigger, str(caught.value)) == (step, (
+                f"component 'm' was changed behind the controller while offloaded: "
+                f"blocks.0.bias: float32 -> {new}, blocks.0.weight: float32 -> {new}, "
+                f"blocks.1.bias: float32 -> {new}, blocks.1.weight: float32 -> {new}, "
+                f"offset: float32 -> {new} (replaced); the controller does not adopt that: "
+                "detach it, change it, and attach it again"))
+            assert {t.dtype for t in model.state_dict().values()} == {dtype}
+        await ctl.detach()
+
+
+async def test_a_resident_component_moved_by_hand_is_adopted_exactly() -> None:
+    """diffusers' test_group_offloading.py::
+    test_warning_logged_if_group_offloaded_module_moved_to_accelerator: a resident component
+    cast by hand is taken as it now is (warned), and serves, sleeps and wakes in float64."""
+    model = Small()
+    x = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    async with LifecycleController(device_layer=FaultyDevice(), residency="m=resident") as ctl:
+        await ctl.attach({"m": model})
+        model.to(torch.float64)
+        with torch.no_grad():
+            expected = model(x)
+        async with ctl.use("m"):
+            pass
+        await ctl.sleep()
+        await ctl.wake()
+        assert {t.dtype for t in model.state_dict().values()} == {torch.float64}
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
