@@ -24,8 +24,14 @@ import anyio.to_thread
 import torch
 from torch import nn
 
-from strategies import DeviceLayer, ResidencyConfig, ResidencyStrategy, make_device_layer
-from strategies.protocol import PreparedMove
+from strategies import (
+    DeviceLayer,
+    ResidencyConfig,
+    ResidencyMode,
+    ResidencyStrategy,
+    make_device_layer,
+)
+from strategies.protocol import PreparedMove, Shape
 
 from . import _events as events
 from . import _results as results
@@ -367,14 +373,16 @@ class LifecycleController:
     async def _set_residency(self, config: ResidencyConfig) -> ResidencyChange:
         if self.phase is Phase.UNINITIALIZED:
             raise TransitionRejected("set_residency", self.phase, NOT_INITIALIZED)
-        changed, prepare = self._components.reshaping(config)
+        wanted = self._components.reshapes(config)  # refused here before anything moves
+        changed = {n: (self._components[n].strategy.mode.value, s.mode.value)
+                   for n, s in wanted.items()}
         t0 = time.perf_counter()
         source = self.phase
         with events.bound(transition="set_residency", transition_id=next(_ids)):
             async with self._uses.drained("set_residency"):
                 self._components.rescan("set_residency")
                 with self._components.moving("set_residency"):
-                    copied = await self._transact("set_residency", prepare)
+                    copied = await self._hand_off(wanted)
             self.config = config
             await self._release_cache()
             seconds = time.perf_counter() - t0
@@ -382,6 +390,39 @@ class LifecycleController:
         return ResidencyChange(True, f"residency set: {config.to_string() or 'all resident'}"
                                + (f"; changed {changed}" if changed else "; nothing changed"),
                                config.to_string(), MappingProxyType(changed), copied, seconds)
+
+    async def _hand_off(self, wanted: dict[str, Shape]) -> int:
+        """Move components to their ``wanted`` shapes; returns the bytes copied.
+
+        One transaction, unless it is a hand-off while awake: components going to an offload
+        mode leave the device while others come onto it. Then, as SGLang does, the old owners
+        are released first (a transaction of its own, committed) and the new ones loaded
+        after (a second), so the device never holds both; a load that fails or is cancelled
+        is followed by putting the released ones back as they were (shielded), and its error
+        raised. (If that put-back fails too, its own TransitionFailed is raised and those
+        components stay in their new, offloaded, shape.)"""
+        def prepare_for(shapes: Mapping[str, Shape]
+                        ) -> Callable[[list[PreparedMove]], Awaitable[None]]:
+            async def prepare(moves: list[PreparedMove]) -> None:
+                for name, shape in shapes.items():
+                    moves.append(await self._components.prepare_shape(self._components[name],
+                                                                      shape))
+            return prepare
+
+        offload = (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD)
+        first = {n: s for n, s in wanted.items() if self.phase is Phase.AWAKE
+                 and s.mode in offload and self._components[n].strategy.store.device_bytes}
+        if not first or len(first) == len(wanted):
+            return await self._transact("set_residency", prepare_for(wanted))
+        old = {n: Shape.of(self._components[n].strategy) for n in first}
+        copied = await self._transact("set_residency", prepare_for(first))
+        try:
+            return copied + await self._transact(
+                "set_residency", prepare_for({n: s for n, s in wanted.items() if n not in first}))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._transact("set_residency", prepare_for(old))
+            raise
 
     # -- sleep / wake ------------------------------------------------------------------
     async def sleep(self, discard: Discard = False) -> OccupationResult:
