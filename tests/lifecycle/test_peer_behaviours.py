@@ -115,7 +115,9 @@ async def test_a_discarding_sleep_takes_tensors_of_every_shape_and_dtype(mode: s
 
 @pytest.mark.parametrize("mode", ["resident", "component-offload"])
 async def test_a_clip_model_with_its_scalar_logit_scale_sleeps_by_discarding(mode: str) -> None:
-    """SGLang's post_training sleep/wake e2e (release with the weights dropped, then a refit):
+    """SGLang's test/post_training/test_e2e_sleep_wake_up.py::
+    test_sleep_wake_refit_generate_e2e (release, resume, refit, generate), released here
+    with the weights dropped:
     transformers' CLIPModel, whose ``logit_scale`` is a 0-d parameter, is discarded, woken
     stale and updated from its state dict: its logits are exact again."""
     model = clip_model()
