@@ -531,3 +531,28 @@ def before_config(ctl: LifecycleController) -> str:
     from strategies import ResidencyConfig
 
     return ResidencyConfig.parse(SWAP_FROM).to_string()
+
+
+@pytest.mark.parametrize("case", ["flux", "clip_text"])
+async def test_a_real_model_cast_by_hand_while_offloaded_is_refused_and_kept_as_cast(
+        case: str) -> None:
+    """diffusers' test_group_offloading.py::
+    test_warning_logged_if_group_offloaded_module_moved_to_accelerator, on diffusers' Flux
+    transformer and transformers' CLIP text model: ``model.half()`` while component-offloaded
+    is refused at the next use naming a changed tensor, and the model stays in float16."""
+    from lifecycle import TransitionRejected
+    from tests.models.zoo import CASES
+
+    model = CASES[case].build(0)
+    async with LifecycleController(device_layer=FaultyDevice(),
+                                   residency="m=component-offload") as ctl:
+        await ctl.attach({"m": model})
+        model.half()
+        first = sorted(model.state_dict())[0]
+        with pytest.raises(TransitionRejected, match=rf"component 'm' was changed behind the "
+                           rf"controller while offloaded: {first}: float32 -> float16"):
+            async with ctl.use("m"):
+                pass
+        assert {t.dtype for t in model.state_dict().values() if t.is_floating_point()} \
+            == {torch.float16}
+        assert ctl.in_flight == 0
