@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 
@@ -44,15 +45,42 @@ from strategies.protocol import (
 
 from . import _events as events
 from ._discard import refuse_stale, stale_counts
-from ._errors import ComponentAsleep, ComponentBusy, ComponentNotPlaced, TransitionRejected
+from ._errors import (
+    ComponentAsleep,
+    ComponentBusy,
+    ComponentNotPlaced,
+    TransitionRejected,
+    UnknownComponent,
+)
 from ._events import get_logger
 from ._phase import Phase
 from ._results import ComponentPlacement, PlacementReport
 from ._uses import Component
 
-__all__ = ["Components", "abandon", "adopt", "build", "prepare_placement", "prepare_release"]
+__all__ = ["Components", "abandon", "adopt", "build", "prepare_placement", "prepare_release",
+           "refuse_managed"]
 
 _log = get_logger("lifecycle")
+
+# Every module (and submodule) an attached controller manages: its registry (weakly: a
+# controller dropped without a detach manages nothing), the controller's id, the component.
+# Process-wide, weak: a module garbage-collected is forgotten. One module under two
+# controllers would run each one's guard and hooks over the other's placement.
+_managed: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Components], int, str]] = \
+    weakref.WeakKeyDictionary()
+
+
+def refuse_managed(found: Mapping[str, nn.Module], controller_id: int, phase: Phase) -> None:
+    """Before an attach moves anything: refuse modules another controller manages, naming
+    it (as diffusers refuses a second offload manager on one module)."""
+    for name, module in found.items():
+        for sub in module.modules():
+            owner = _managed.get(sub)
+            if owner is not None and owner[1] != controller_id and owner[0]() is not None:
+                what = "" if sub is module else f" (its {type(sub).__name__})"
+                raise TransitionRejected(
+                    "attach", phase, f"component {name!r}{what} is managed by controller "
+                    f"{owner[1]} as component {owner[2]!r}: detach it there first")
 
 
 class Components(Mapping[str, Component]):
@@ -84,12 +112,11 @@ class Components(Mapping[str, Component]):
         return name in self._by_name
 
     def component(self, name: str) -> Component:
-        """Component ``name``, or a KeyError naming the components there are."""
+        """Component ``name``, or :class:`UnknownComponent` naming the components there are."""
         try:
             return self._by_name[name]
         except KeyError:
-            raise KeyError(f"no component {name!r}; components: {sorted(self._by_name)}") \
-                from None
+            raise UnknownComponent(name, list(self._by_name)) from None
 
     def stores(self) -> dict[str, TensorStore]:
         return {n: c.strategy.store for n, c in self._by_name.items()}
@@ -142,10 +169,12 @@ class Components(Mapping[str, Component]):
         if phase is Phase.SLEEPING:
             raise ComponentAsleep(name)
         strategy = self._by_name[name].strategy
-        if phase is not Phase.UNINITIALIZED and not strategy.ready():
-            raise ComponentNotPlaced(name, strategy.mode.value)
+        # Stale first: discarded weights serve nothing wherever they are (inside use() too),
+        # so that is the reason to give even when the component is also not placed.
         if strategy.store.stale_count:
             refuse_stale([self._by_name[name]])
+        if phase is not Phase.UNINITIALIZED and not strategy.ready():
+            raise ComponentNotPlaced(name, strategy.mode.value)
         # Uses are drained before either is set: a forward now runs outside use(), and a
         # streaming one would fetch from (or evict into) host stores the move or the update
         # is copying or writing.
@@ -201,10 +230,11 @@ class Components(Mapping[str, Component]):
                 self.mirror_stale(move.store.name, stale)
         return sum(m.bytes_copied for m in moves)
 
-    def rescan(self, trigger: str) -> None:
-        """Re-inventory components whose tensors were replaced behind our back; where that
-        cannot be done safely, refuse ``trigger`` before anything moves."""
-        for c in self._by_name.values():
+    def rescan(self, trigger: str, names: Sequence[str] | None = None) -> None:
+        """Re-inventory components (``names``, default all) whose tensors were replaced
+        behind our back; where that cannot be done safely, refuse ``trigger`` before
+        anything moves."""
+        for c in self._by_name.values() if names is None else map(self.component, names):
             store = c.strategy.store
             if store.structure_changed() or store.drifted():
                 _log.warning(events.STORE_RESCAN, component=c.name,
@@ -221,6 +251,8 @@ class Components(Mapping[str, Component]):
         forwards checked."""
         self._by_name, self._enabled = components, enabled
         for c in components.values():
+            for sub in c.module.modules():
+                _managed[sub] = (weakref.ref(self), self._controller_id, c.name)
             check = functools.partial(self.check_forward, c.name)
             c.strategy.forward_check = check
             c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
@@ -239,6 +271,10 @@ class Components(Mapping[str, Component]):
         for c in self._by_name.values():
             if c.guard:
                 c.guard.remove()
+            for sub in c.module.modules():
+                owner = _managed.get(sub)
+                if owner is not None and owner[0]() is self:
+                    del _managed[sub]
         abandon(self._by_name.values(), self._enabled)
         self._by_name, self._enabled = {}, []
 

@@ -24,14 +24,28 @@ import anyio.to_thread
 import torch
 from torch import nn
 
-from strategies import DeviceLayer, ResidencyConfig, ResidencyStrategy, make_device_layer
-from strategies.protocol import PreparedMove
+from strategies import (
+    DeviceLayer,
+    ResidencyConfig,
+    ResidencyMode,
+    ResidencyStrategy,
+    make_device_layer,
+)
+from strategies.protocol import PreparedMove, Shape
 
 from . import _events as events
 from . import _results as results
 from ._admission import Admission
 from ._checksum import ChecksumAlgorithm, Checksums
-from ._components import Components, abandon, adopt, build, prepare_placement, prepare_release
+from ._components import (
+    Components,
+    abandon,
+    adopt,
+    build,
+    prepare_placement,
+    prepare_release,
+    refuse_managed,
+)
 from ._discard import Discard, resolve_discard, with_stale
 from ._errors import (
     NOT_INITIALIZED,
@@ -261,6 +275,11 @@ class LifecycleController:
         async with self._lock, self._ranks.section("attach"):
             self._refusal("attach")
             found = components_of(pipeline)
+            try:
+                refuse_managed(found, self.id, self.phase)
+            except TransitionRejected as exc:
+                self._rejected("attach", exc.reason)
+                raise
             if self._auto:
                 assert self.device_budget is not None
                 self.last_plan = await self._measurer.plan_at_attach(
@@ -318,8 +337,9 @@ class LifecycleController:
 
         With a plan made with a warm-up (or ``validate=`` an async request callable), one
         validation request runs after applying it; if its peak passes the plan's budget, or
-        it takes more than ``latency_tolerance`` longer than predicted, the previous
-        residency is restored and the result says why. ``validate=False`` skips it."""
+        it takes more than ``latency_tolerance`` longer than predicted, or it raises (or is
+        cancelled: restored, then the cancellation goes on), the previous residency is
+        restored and the result says why. ``validate=False`` skips it."""
         config = residency.config if isinstance(residency, ResidencyPlan) else \
             ResidencyConfig.parse(residency)
         previous = self.config
@@ -356,14 +376,16 @@ class LifecycleController:
     async def _set_residency(self, config: ResidencyConfig) -> ResidencyChange:
         if self.phase is Phase.UNINITIALIZED:
             raise TransitionRejected("set_residency", self.phase, NOT_INITIALIZED)
-        changed, prepare = self._components.reshaping(config)
+        wanted = self._components.reshapes(config)  # refused here before anything moves
+        changed = {n: (self._components[n].strategy.mode.value, s.mode.value)
+                   for n, s in wanted.items()}
         t0 = time.perf_counter()
         source = self.phase
         with events.bound(transition="set_residency", transition_id=next(_ids)):
             async with self._uses.drained("set_residency"):
                 self._components.rescan("set_residency")
                 with self._components.moving("set_residency"):
-                    copied = await self._transact("set_residency", prepare)
+                    copied = await self._hand_off(wanted)
             self.config = config
             await self._release_cache()
             seconds = time.perf_counter() - t0
@@ -371,6 +393,39 @@ class LifecycleController:
         return ResidencyChange(True, f"residency set: {config.to_string() or 'all resident'}"
                                + (f"; changed {changed}" if changed else "; nothing changed"),
                                config.to_string(), MappingProxyType(changed), copied, seconds)
+
+    async def _hand_off(self, wanted: dict[str, Shape]) -> int:
+        """Move components to their ``wanted`` shapes; returns the bytes copied.
+
+        One transaction, unless it is a hand-off while awake: components going to an offload
+        mode leave the device while others come onto it. Then, as SGLang does, the old owners
+        are released first (a transaction of its own, committed) and the new ones loaded
+        after (a second), so the device never holds both; a load that fails or is cancelled
+        is followed by putting the released ones back as they were (shielded), and its error
+        raised. (If that put-back fails too, its own TransitionFailed is raised and those
+        components stay in their new, offloaded, shape.)"""
+        def prepare_for(shapes: Mapping[str, Shape]
+                        ) -> Callable[[list[PreparedMove]], Awaitable[None]]:
+            async def prepare(moves: list[PreparedMove]) -> None:
+                for name, shape in shapes.items():
+                    moves.append(await self._components.prepare_shape(self._components[name],
+                                                                      shape))
+            return prepare
+
+        offload = (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD)
+        first = {n: s for n, s in wanted.items() if self.phase is Phase.AWAKE
+                 and s.mode in offload and self._components[n].strategy.store.device_bytes}
+        if not first or len(first) == len(wanted):
+            return await self._transact("set_residency", prepare_for(wanted))
+        old = {n: Shape.of(self._components[n].strategy) for n in first}
+        copied = await self._transact("set_residency", prepare_for(first))
+        try:
+            return copied + await self._transact(
+                "set_residency", prepare_for({n: s for n, s in wanted.items() if n not in first}))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._transact("set_residency", prepare_for(old))
+            raise
 
     # -- sleep / wake ------------------------------------------------------------------
     async def sleep(self, discard: Discard = False) -> OccupationResult:

@@ -25,6 +25,7 @@ from strategies import ResidencyConfig, is_fsdp_managed
 from strategies.protocol import TensorStore
 
 from . import _events as events
+from ._errors import forget_locals
 from ._events import get_logger
 from ._planner import (
     ComponentSizes,
@@ -202,13 +203,30 @@ class Measurer:
         """Run one request under the applied plan (``validate``: that request; else the
         plan's warm-up, else the last one measured; ``False`` or none of them: ``change`` as
         it is); ``restore(previous)`` if its peak passed the budget or it ran more than
-        ``tolerance`` slower than predicted."""
+        ``tolerance`` slower than predicted, and when it raised (a cancellation is raised on
+        after that)."""
         request = validate if callable(validate) else plan.warmup or self.warmup
         if validate is False or request is None:
             return change
         self._layer.reset_peak()
         t0 = time.perf_counter()
-        await request()
+        try:
+            await request()
+        except BaseException as exc:
+            # A request that fails (out of memory, a failed move) or is cancelled says the
+            # plan is not good to serve: undo it (to its end, even when cancelled), as SGLang
+            # does when its validation request fails. Its frames held the request's tensors.
+            forget_locals(exc)
+            with anyio.CancelScope(shield=True):
+                await restore(previous)
+            reason = f"the validation request raised {type(exc).__name__}: {exc}"
+            _log.warning(events.PLAN_ROLLED_BACK, reason=reason, rank=self._rank(),
+                         controller=self._controller_id)
+            if not isinstance(exc, Exception):
+                raise
+            return dataclasses.replace(change, success=False, rolled_back=True,
+                                       message=f"plan undone, previous residency restored: "
+                                               f"{reason}")
         seconds = time.perf_counter() - t0
         peak = self._layer.peak_bytes
         why = []

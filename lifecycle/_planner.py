@@ -45,7 +45,7 @@ from torch import nn
 from strategies import LayerwiseTuning, ResidencyConfig, ResidencyMode
 from strategies.protocol import Shape, TensorStore, check_block_lists
 
-from ._errors import LifecycleError
+from ._errors import LifecycleError, UnknownComponent
 from ._units import format_bytes, gbps, parse_size
 
 __all__ = [
@@ -191,8 +191,7 @@ def declared_uses(uses: Sequence[str | tuple[str, float] | tuple[str, float, int
         name, seconds, forwards = (item, 0.0, 1) if isinstance(item, str) else \
             (item[0], float(item[1]), int(item[2]) if len(item) > 2 else 1)
         if name not in components:
-            raise KeyError(f"declared use of unknown component {name!r}; components: "
-                           f"{sorted(components)}")
+            raise UnknownComponent(name, list(components))
         if seconds < 0 or forwards < 1:
             raise ValueError(f"declared use {item!r}: seconds must be >= 0, forwards >= 1")
         out.append(Use(name, forwards, seconds))

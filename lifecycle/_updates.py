@@ -139,10 +139,12 @@ class _Planner:
         self.unknown: list[str] = []
 
     def add(self, component: str, name: str, shape: Sequence[int], dtype: torch.dtype,
-            load: Callable[[], torch.Tensor], region: FileRegion | None = None) -> None:
+            load: Callable[[], torch.Tensor], region: FileRegion | None = None, *,
+            given: str | None = None) -> None:
         model = self.stores[component].tensor_named(name)
         if model is None:
-            self.unknown.append(f"{component}.{name}")
+            # (``given``: the name as the caller wrote it, named in the refusal as it is)
+            self.unknown.append(given if given is not None else f"{component}.{name}")
             return
         if tuple(shape) != tuple(model.shape):
             raise UpdateRefused(f"Shape mismatch for {name}: model={_shape(model.shape)}, "
@@ -160,12 +162,13 @@ class _Planner:
             self.plan.casts.append(f"{component}.{name}: {dtype} -> {model.dtype}")
         self.plan.writes.append(_Write(component, name, load, model.nbytes, region))
 
-    def finish(self, components: Sequence[str]) -> UpdatePlan:
+    def finish(self, components: Sequence[str], of: str | None = None) -> UpdatePlan:
         if self.unknown:
             shown = sorted(self.unknown)
             more = f" (and {len(shown) - 20} more)" if len(shown) > 20 else ""
             self.plan.close()
-            raise UpdateRefused(f"{len(shown)} key(s) match no parameter or buffer: "
+            where = "" if of is None else f" of {of}"
+            raise UpdateRefused(f"{len(shown)} key(s) match no parameter or buffer{where}: "
                                 f"{shown[:20]}{more}; nothing was updated")
         for first, first_load, second, load, dtype in self._tied:
             if not torch.equal(first_load().to(dtype), load().to(dtype)):
@@ -193,8 +196,9 @@ def plan_from_tensors(stores: Mapping[str, TensorStore],
         if tensor.is_meta or tensor.layout != torch.strided:
             raise UpdateRefused(f"tensor {name!r} has no dense data ({tensor.device}, "
                                 f"{tensor.layout})")
-        planner.add(target, name, tensor.shape, tensor.dtype, functools.partial(_same, tensor))
-    return planner.finish([target])
+        planner.add(target, name, tensor.shape, tensor.dtype, functools.partial(_same, tensor),
+                    given=name)
+    return planner.finish([target], of=target)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,14 @@ from strategies.protocol import ComputeGuard, Move
 from . import _events as events
 from ._admission import Admission
 from ._discard import refuse_stale
-from ._errors import NOT_INITIALIZED, ComponentAsleep, TransitionRejected, failures_roll_back
+from ._errors import (
+    NOT_INITIALIZED,
+    ComponentAsleep,
+    TransitionRejected,
+    UnknownComponent,
+    failures_roll_back,
+    forget_locals,
+)
 from ._events import get_logger
 from ._phase import Phase
 
@@ -197,6 +204,11 @@ class Uses:
 
     async def _acquire(self, c: Component) -> None:
         async with c.lock:
+            if not c.users:
+                # Moved by hand since (``module.to(torch.float64)``): taken as it is if
+                # resident, else refused naming the change, as transitions do; never
+                # silently put back the way it was by this move-in.
+                self.components.rescan("use", [c.name])
             c.users += 1
             if c.users > 1:
                 return
@@ -211,7 +223,11 @@ class Uses:
                         move = await c.strategy.prepare_use()
                     if move is not None:
                         move.commit()
-                except BaseException:
+                except BaseException as exc:
+                    # The frames the error passed through held the move-in's buffers (its
+                    # copy pairs): forgotten, as sleep, wake and updates do, or they stay
+                    # allocated for as long as the caller holds the error.
+                    forget_locals(exc)
                     c.users -= 1
                     with anyio.CancelScope(shield=True):
                         await c.strategy.finish_use()
@@ -236,8 +252,7 @@ class Uses:
     async def request(self, order: Sequence[str]) -> AsyncIterator[None]:
         unknown = [n for n in order if n not in self.components]
         if unknown:
-            raise KeyError(f"request names unknown components {unknown}; "
-                           f"components: {sorted(self.components)}")
+            raise UnknownComponent(unknown[0], list(self.components))
         # The whole request holds a lease: a sleep or an update that comes while it runs
         # waits for all of it (drains it), not just for the use in progress, so a generation
         # is never cut between two of its components.

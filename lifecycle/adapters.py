@@ -34,6 +34,7 @@ from typing import Any
 import anyio.to_thread
 
 from ._controller import LifecycleController
+from ._errors import UnknownComponent
 
 __all__ = ["PipelineRunner"]
 
@@ -85,8 +86,7 @@ class PipelineRunner:
                                    "pipeline's; attach this pipeline to it")
         unknown = [n for n in self.order if n not in attached]
         if unknown:
-            raise KeyError(f"order names unattached components {unknown}; attached: "
-                           f"{sorted(attached)}")
+            raise UnknownComponent(unknown[0], list(attached))
 
     async def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """``pipeline(*args, **kwargs)`` with every component in use; returns its output.

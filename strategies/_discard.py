@@ -54,13 +54,15 @@ class Discarded:
 
 def _placeholder(t: torch.Tensor) -> torch.Tensor:
     """A tensor of ``t``'s shape and dtype over one element (host memory): what a dropped
-    tensor points at while its component sleeps (NaN where the dtype has it)."""
+    tensor points at while its component sleeps (NaN where the dtype has it). Viewed with one
+    dimension per dimension of ``t`` before expanding, so that 0-d tensors (a ``logit_scale``)
+    and empty ones take it too."""
     one = torch.empty(1, dtype=t.dtype)
     if t.dtype.is_floating_point or t.dtype.is_complex:
         one.fill_(float("nan"))
     else:
         one.zero_()
-    return one.expand(t.shape)
+    return one.reshape((1,) * t.dim()).expand(t.shape)
 
 
 def _dropped(st: Storage, drop: set[int]) -> bool:

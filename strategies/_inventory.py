@@ -62,10 +62,15 @@ class Slot:
     stale: bool = False  # discarded: its contents are undefined until an update writes it
     # Its strides in its storage (a discarded tensor's placeholder has others).
     stride: tuple[int, ...] = ()
+    # Its dtype and shape at inventory: what a change made behind the store's back (a
+    # ``module.to(torch.float64)``) is described against.
+    meta: tuple[torch.dtype, tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         if not self.stride:
             self.stride = tuple(self.tensor.stride())
+        if self.meta is None:
+            self.meta = (self.tensor.dtype, tuple(self.tensor.shape))
 
     def view_of(self, buf: torch.Tensor, byte_offset: int) -> torch.Tensor:
         """A tensor with this slot's dtype, shape and strides over ``buf`` at ``byte_offset``."""
@@ -247,6 +252,50 @@ class Inventory:
     def drifted(self) -> list[str]:
         """Names of tensors re-pointed behind the store's back (``p.data = other``)."""
         return [s.names[0] for s in self.slots if s.tensor.data_ptr() != s.ptr]
+
+    def changes(self) -> list[str]:
+        """What was changed behind the store's back, one entry per tensor, sorted by name:
+        ``name: float32 -> float64`` (its dtype, shape or device), ``(replaced)`` after it
+        when another object took its place (``module.to()`` replaces buffers), ``removed``,
+        or ``re-pointed`` when only its storage changed."""
+        slot_of = {id(s.tensor): s for s in self.slots}
+        out: dict[str, str] = {}
+        for table, key, obj in self.watch:
+            try:
+                now = table[key]
+            except (KeyError, IndexError, TypeError):
+                now = None
+            if now is obj:
+                continue
+            slot = slot_of.get(id(obj))
+            name = slot.names[0] if slot is not None else \
+                (key if isinstance(key, str) else f"[{key!r}]")
+            if now is None:
+                out[name] = "removed"
+            elif slot is not None and isinstance(now, torch.Tensor):
+                change = _change(slot, now)
+                out[name] = f"{change} (replaced)" if change else "replaced"
+            else:
+                out[name] = "replaced"
+        for s in self.slots:
+            if s.names[0] not in out and s.tensor.data_ptr() != s.ptr:
+                out[s.names[0]] = _change(s, s.tensor) or "re-pointed"
+        return [f"{name}: {what}" for name, what in sorted(out.items())]
+
+
+def _change(slot: Slot, now: torch.Tensor) -> str:
+    """How ``now`` differs from what ``slot`` held at inventory ('' if only its storage)."""
+    assert slot.meta is not None
+    dtype, shape = slot.meta
+    parts = []
+    if now.dtype != dtype:
+        parts.append(f"{str(dtype).removeprefix('torch.')} -> "
+                     f"{str(now.dtype).removeprefix('torch.')}")
+    if tuple(now.shape) != shape:
+        parts.append(f"shape {list(shape)} -> {list(now.shape)}")
+    if now.device.type == "meta" or now.device != slot.tensor.device:
+        parts.append(f"now on {now.device}")
+    return ", ".join(parts)
 
 
 _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})

@@ -237,10 +237,14 @@ class TensorStore:
         """Take inventory again (after the module's structure changed while on device);
         stale tensors stay stale."""
         if any(u.where == "host" for u in self.units):
-            changed = self.structure_changed() or self.drifted()
-            raise StoreError(f"component {self.name!r} changed structure while offloaded: "
-                             f"tensor(s) {changed[:8]} were replaced behind the controller; "
-                             "only a resident component can be taken inventory of again")
+            # Only a store wholly on the device is the module's own placement to take again;
+            # anywhere else our host copy is the truth, and putting it back would silently
+            # undo what was done (a ``module.to(torch.float64)``): refused, saying what.
+            changes = self.inventory.changes()
+            more = f", and {len(changes) - 8} more" if len(changes) > 8 else ""
+            raise StoreError(f"component {self.name!r} was changed behind the controller while "
+                             f"offloaded: {', '.join(changes[:8])}{more}; the controller does "
+                             "not adopt that: detach it, change it, and attach it again")
         self._take(None, self.inventory.stale_ids())
 
     def note_training_forward(self, module: nn.Module) -> None:

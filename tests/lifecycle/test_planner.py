@@ -282,5 +282,5 @@ async def test_declared_uses_replace_the_warm_up() -> None:
         assert m is not None and m.source == "declared" and plan.measured_from == "declared"
         assert [(u.name, u.forwards, u.seconds) for u in m.uses] == [
             ("text_encoder", 1, 0.0), ("transformer", 4, 0.2), ("vae", 1, 0.01)]
-        with pytest.raises(KeyError, match="components"):
+        with pytest.raises(KeyError, match="Available Module"):
             await ctl.plan("70%", uses=["unet"])

@@ -178,7 +178,7 @@ async def test_parameter_replaced_while_offloaded_is_a_typed_refusal() -> None:
     conv = layer(pipe["vae"], 0, nn.Conv2d)
     conv.weight = nn.Parameter(torch.zeros_like(conv.weight))
     before = ctl.report()
-    with pytest.raises(TransitionRejected, match="component 'vae' changed structure while "
-                                                 "offloaded"):
+    with pytest.raises(TransitionRejected, match="component 'vae' was changed behind the "
+                                                 "controller while offloaded"):
         await ctl.sleep()
     assert ctl.report() == before and ctl.phase is Phase.AWAKE

@@ -177,7 +177,7 @@ def refusal_cases(tmp: Path, pipe: dict[str, nn.Module]) -> list[tuple[str, Any,
         ("disk", (tmp / "shape.safetensors", None),
          "Shape mismatch for 0.weight: model=(8, 4, 3, 3), loaded=(8, 4, 3, 2)"),
         ("tensors", ({"0.weight": torch.zeros(8, 4, 3, 3), "nope": torch.zeros(1)}, "vae"),
-         "1 key(s) match no parameter or buffer: ['vae.nope']; nothing was updated"),
+         "1 key(s) match no parameter or buffer of vae: ['nope']; nothing was updated"),
         ("tensors", ({"0.weight": torch.zeros(3)}, "vae"),
          "Shape mismatch for 0.weight: model=(8, 4, 3, 3), loaded=(3,)"),
         ("tensors", ({}, "unet"), "Module(s) requested for update not found in pipeline: "

@@ -120,7 +120,7 @@ async def test_an_attribute_recreated_while_offloaded_refuses_sleep_naming_it() 
     await ctl.attach(pipe)
     async with ctl.use("dit"):
         model.table = model.table * 2  # a new tensor, behind the controller's back
-    with pytest.raises(TransitionRejected, match=r"tensor\(s\) \['table'\] were replaced"):
+    with pytest.raises(TransitionRejected, match=r"while offloaded: table: replaced;"):
         await ctl.sleep()
     assert ctl.phase is Phase.AWAKE
 
