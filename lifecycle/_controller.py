@@ -24,7 +24,13 @@ import anyio.to_thread
 import torch
 from torch import nn
 
-from strategies import DeviceLayer, ResidencyConfig, ResidencyStrategy, make_device_layer
+from strategies import (
+    DeviceLayer,
+    ResidencyConfig,
+    ResidencyMode,
+    ResidencyStrategy,
+    make_device_layer,
+)
 from strategies.protocol import PreparedMove
 
 from . import _events as events
@@ -297,6 +303,81 @@ class LifecycleController:
                 self._machine.fire("detach")
                 await self._release_cache()
                 self._summary("detach", source, copied, time.perf_counter() - t0)
+            return self.phase
+
+    # -- components added or removed while attached -------------------------------------
+    async def add_component(self, name: str, module: nn.Module, *,
+                            residency: str | ResidencyMode | None = None) -> Phase:
+        """Attach one more component (an adapter, a refiner, a second text encoder loaded
+        later) and place it for serving, all or nothing: a fault at any allocation or copy,
+        or a cancellation, leaves the pipeline as it was and ``module`` as it came.
+
+        ``residency``: its mode (else the configuration's, by name, group or ``all``). Only
+        while awake, and not for a name taken, a module already a component here (or part
+        of one) or one another controller manages: refused with :class:`TransitionRejected`
+        saying why (:class:`InvalidRequest` for a malformed name or module). The other
+        components' uses go on meanwhile. With a process group, every rank calls it."""
+        async with self._lock, self._ranks.section("add_component"):
+            self._components.refuse_add(name, module)
+            config = self.config if residency is None else dataclasses.replace(
+                self.config, modes={**self.config.modes,
+                                    name: ResidencyConfig.parse({name: residency}).mode_for(name)})
+            config.validate_components([*self._components, name])
+            others = sorted(n for n in self._components
+                            if config.mode_for(n) is not self.config.mode_for(n))
+            if others:
+                raise TransitionRejected("add_component", self.phase,
+                                         f"residency {residency!r} for {name!r} would also "
+                                         f"change components {others} (a group selector): "
+                                         "name it with set_residency instead")
+            built, enabled = build({name: module}, config, self._layer)
+            adopted = 0
+
+            async def prepare(moves: list[PreparedMove]) -> None:
+                nonlocal adopted  # in the transaction: a fault there fails it, typed
+                adopted = await adopt(built.values())
+                await prepare_placement(built.values(), moves)
+
+            with events.bound(transition="add_component", transition_id=next(_ids)):
+                t0 = time.perf_counter()
+                try:
+                    copied = adopted + await self._transact("add_component", prepare, land=False)
+                except BaseException as exc:
+                    abandon(built.values(), enabled)
+                    # The caller may keep the error: its frames must not keep the failed
+                    # placement's buffers alive (device memory no report counts).
+                    built, enabled = {}, []
+                    forget_locals(exc)
+                    raise
+                self._components.add(built[name], enabled)
+                self.config = config
+                self._summary("add_component", self.phase, copied, time.perf_counter() - t0)
+            return self.phase
+
+    async def remove_component(self, name: str) -> Phase:
+        """Give component ``name`` back (its module holding its own weights on the host, its
+        hooks removed) and forget it, all or nothing; the others stay as they are.
+
+        Drains uses like any transition; refused with :class:`TransitionRejected` while it is
+        in use, when it is the only component (detach instead) or holds discarded weights;
+        :class:`UnknownComponent` for a name not attached. With a process group, every rank
+        calls it."""
+        async with self._lock, self._ranks.section("remove_component"):
+            c = self._components.refuse_remove(name)
+            with events.bound(transition="remove_component", transition_id=next(_ids)):
+                t0 = time.perf_counter()
+                async with self._uses.drained("remove_component"):
+                    self._components.refuse_remove(name)  # a use may have started meanwhile
+                    try:
+                        copied = await self._transact(
+                            "remove_component", functools.partial(prepare_release, [c]))
+                    except BaseException as exc:
+                        forget_locals(exc)  # as in add_component
+                        raise
+                self._components.remove(name)
+                self._lora.forget(name)
+                await self._release_cache()
+                self._summary("remove_component", self.phase, copied, time.perf_counter() - t0)
             return self.phase
 
     # -- residency while attached ------------------------------------------------------
