@@ -42,6 +42,7 @@ from ._discard import Discard, resolve_discard, with_stale
 from ._errors import (
     NOT_INITIALIZED,
     GroupBroken,
+    InvalidRequest,
     TransitionFailed,
     TransitionRejected,
     failures_roll_back,
@@ -49,6 +50,7 @@ from ._errors import (
 )
 from ._events import get_logger
 from ._group import Collective, describe
+from ._loaders import NameMap, disk_plan, tensors_plan
 from ._lora import LoraBases, plan_tensors
 from ._measure import Measurer, is_auto
 from ._phase import Phase, PhaseMachine, Refusal, Rule, refusal
@@ -558,25 +560,42 @@ class LifecycleController:
     async def update_weights_from_disk(self, model_path: str | os.PathLike[str],
                                        target_modules: Sequence[str] | None = None, *,
                                        weight_version: str | None = None,
-                                       flush_cache: bool = False) -> UpdateResult:
+                                       flush_cache: bool = False,
+                                       load_weights: bool | None = None,
+                                       name_map: NameMap | None = None) -> UpdateResult:
         """Load ``<model_path>/<component>/*.safetensors`` (or one ``.safetensors`` file with
-        ``<component>.<name>`` keys) into the pipeline, all or nothing."""
+        ``<component>.<name>`` keys) into the pipeline, all or nothing.
+
+        A component whose module defines ``load_weights(weights)`` is updated through it
+        (``load_weights=False``: not; ``True``: refused for one without); ``name_map``
+        renames the checkpoint's names instead (see lifecycle._loaders)."""
         stores = self._components.stores()
-        return self._answer(await self._update("update_from_disk", lambda: plan_from_disk(
-            stores, model_path, None if target_modules is None else list(target_modules)),
-            label=version_label(weight_version), flush=flush_cache))
+        targets = None if target_modules is None else list(target_modules)
+        make = disk_plan(stores, model_path, targets, load_weights, name_map) or \
+            (lambda: plan_from_disk(stores, model_path, targets))
+        return self._answer(await self._update("update_from_disk", make,
+                                               label=version_label(weight_version),
+                                               flush=flush_cache))
 
     async def update_weights_from_tensors(
             self, named_tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
             target_module: str = "transformer", *, weight_update_mode: str | None = None,
             lora_alpha: float | None = None, lora_rank: int | None = None,
-            weight_version: str | None = None, flush_cache: bool = False) -> UpdateResult:
+            weight_version: str | None = None, flush_cache: bool = False,
+            load_weights: bool | None = None, name_map: NameMap | None = None) -> UpdateResult:
         """Write ``named_tensors`` (names inside ``target_module``) into it, all or nothing.
         ``weight_update_mode="lora_merge"``: they are LoRA A/B tensors, merged into their
-        linears' pristine bases (see lifecycle._lora)."""
+        linears' pristine bases (see lifecycle._lora). A module defining
+        ``load_weights(weights)`` is updated through it, and ``name_map`` renames the names,
+        as in :meth:`update_weights_from_disk`."""
         stores, label = self._components.stores(), version_label(weight_version)
-        make = plan_tensors(stores, named_tensors, target_module, weight_update_mode, lora_alpha,
-                            lora_rank, self._lora)
+        own = None if weight_update_mode == "lora_merge" else \
+            tensors_plan(stores, named_tensors, target_module, load_weights, name_map)
+        if weight_update_mode == "lora_merge" and (name_map is not None or load_weights):
+            raise InvalidRequest("weight_update_mode", "lora_merge merges LoRA tensors by "
+                                 "their own names: it takes no name_map or load_weights")
+        make = own or plan_tensors(stores, named_tensors, target_module, weight_update_mode,
+                                   lora_alpha, lora_rank, self._lora)
         return self._answer(await self._update("update_from_tensors", make, label=label,
                                                flush=flush_cache))
 
