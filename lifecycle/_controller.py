@@ -52,7 +52,7 @@ from ._events import get_logger
 from ._group import Collective, describe
 from ._loaders import NameMap, disk_plan, tensors_plan
 from ._lora import LoraBases, plan_tensors
-from ._measure import Measurer, is_auto
+from ._measure import Measurer, fixed_modes, is_auto
 from ._phase import Phase, PhaseMachine, Refusal, Rule, refusal
 from ._pipeline import components_of
 from ._planner import ResidencyPlan
@@ -105,6 +105,8 @@ class LifecycleController:
         # reference's clients send an empty body): see lifecycle._discard.
         self.discard_on_release: Discard = discard_on_release
         self.config = ResidencyConfig() if self._auto else ResidencyConfig.parse(residency)
+        # "auto,transformer=layerwise-offload": the modes the plan at attach keeps.
+        self._fixed = fixed_modes(residency) if self._auto else ResidencyConfig()
         self.last_plan: ResidencyPlan | None = None  # the plan attach applied (auto)
         # Told (trigger, bytes copied so far, bytes to copy) during sleep and wake.
         self.progress = progress
@@ -268,8 +270,9 @@ class LifecycleController:
             found = components_of(pipeline)
             if self._auto:
                 assert self.device_budget is not None
+                self._fixed.validate_components(found)
                 self.last_plan = await self._measurer.plan_at_attach(
-                    found, self.device_budget, int(self.activation_reserve or 0))
+                    found, self.device_budget, int(self.activation_reserve or 0), self._fixed)
                 self.config = self.last_plan.config
             self.config.validate_components(found)
             resolve_discard(self.discard_on_release, found, "discard_on_release")

@@ -446,6 +446,12 @@ class ResidencyConfig:
         """Return the mode of a component: exact name > group > ``all`` > ``resident``."""
         return _lookup(self.modes, component, ResidencyMode.RESIDENT)
 
+    def names_mode_of(self, component: str) -> bool:
+        """Whether a selector of :attr:`modes` (exact, group or ``all``) reaches ``component``
+        (else :meth:`mode_for` is the default)."""
+        name = _normalise_selector(component)
+        return any(s is not None and s in self.modes for s in (name, group_of(name), _ALL))
+
     def layerwise_tuning_for(self, component: str) -> LayerwiseTuning:
         """Return a component's layerwise tuning, each setting resolved like :meth:`mode_for`."""
         defaults = LayerwiseTuning()
