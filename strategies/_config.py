@@ -218,7 +218,7 @@ class LayerwiseTuning:
 
 
 def _name_of(picker: LayerPicker) -> str:
-    return repr(getattr(picker, "__qualname__", type(picker).__name__))
+    return repr(getattr(picker, "__name__", type(picker).__name__))
 
 
 def _entries(value: object, option: str) -> list[tuple[str, object]]:

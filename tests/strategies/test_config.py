@@ -546,3 +546,44 @@ def test_resolve_keeps_exactly_r_sorted_unique_resident_layers(
     assert all(0 <= index < n for index in resident)
     assert 0 <= count <= n - kept
     assert (count == 0) == (kept == n or prefetch == 0)
+
+
+def test_a_callable_policy_passes_through_parse_and_picks_by_index_name_and_bytes() -> None:
+    """A callable given in the policy map is kept as it is; pick asks it for every layer and
+    resolve keeps the positions it picked."""
+
+    def odd(index: int, name: str, nbytes: int) -> bool:
+        return index % 2 == 1
+
+    tuning = ResidencyConfig.parse(policy={"dit": odd}).layerwise_tuning_for("transformer")
+    assert tuning.policy is odd
+    picked = tuning.pick([("blocks.0", 8), ("blocks.1", 8), ("blocks.2", 8), ("blocks.3", 8)])
+    assert picked == frozenset({1, 3})
+    assert tuning.resolve(4, picked) == (1, (1, 3))
+    assert LayerwiseTuning().pick([("blocks.0", 8)]) is None
+
+
+def test_a_callable_policy_needs_its_picks_and_answers_bools() -> None:
+    """resolve without the picks of a callable policy, and a callable answering a non-bool,
+    are refused naming what is wrong."""
+    tuning = LayerwiseTuning(policy=lambda i, n, b: 1)  # type: ignore[arg-type, return-value]
+    with raises_exactly("a callable residency policy needs the layers it picked"):
+        tuning.resolve(4)
+    with raises_exactly("residency policy '<lambda>' must return a bool for layer 0 "
+                        "('blocks.0'), got 1"):
+        tuning.pick([("blocks.0", 8)])
+
+
+@pytest.mark.parametrize(("n", "resident", "expected"), [
+    (1, 0.0, (0,)),
+    (2, 0.0, (0, 1)),
+    (6, 0.0, (0, 5)),
+    (6, 1.0, (0,)),
+    (6, 4.0, (0, 1, 4, 5)),
+    (6, 5.0, (0, 1, 2, 4, 5)),
+])
+def test_first_last_takes_half_from_each_end(n: int, resident: float,
+                                            expected: tuple[int, ...]) -> None:
+    """first_last: the first and the last layer by default, else half of resident_layers
+    from each end, the extra one at the front."""
+    assert LayerwiseTuning(resident_layers=resident, policy="first_last").resolve(n)[1] == expected
