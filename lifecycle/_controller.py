@@ -380,6 +380,7 @@ class LifecycleController:
                         forget_locals(exc)  # as in add_component
                         raise
                 self._components.remove(name)
+                self.config = self.config.without(name)
                 self._lora.forget(name)
                 await self._release_cache()
                 self._summary("remove_component", self.phase, copied, time.perf_counter() - t0)

@@ -446,6 +446,16 @@ class ResidencyConfig:
         """Return the mode of a component: exact name > group > ``all`` > ``resident``."""
         return _lookup(self.modes, component, ResidencyMode.RESIDENT)
 
+    def without(self, component: str) -> ResidencyConfig:
+        """This config less the exact selector of ``component`` in every map (groups and
+        ``all`` stay): what is left once the component is removed."""
+        name = _normalise_selector(component)
+        if name in _GROUPS:
+            return self
+        maps = {option: {k: v for k, v in mapping.items() if k != name}
+                for option, mapping in self._maps().items()}
+        return ResidencyConfig(**maps)  # type: ignore[arg-type]
+
     def names_mode_of(self, component: str) -> bool:
         """Whether a selector of :attr:`modes` (exact, group or ``all``) reaches ``component``
         (else :meth:`mode_for` is the default)."""

@@ -82,7 +82,7 @@ async def test_an_added_component_is_placed_by_its_group_and_serves_across_sleep
 
 async def test_an_added_component_takes_the_residency_it_is_given() -> None:
     """residency="layerwise-offload" streams a second Flux transformer's blocks; the
-    configuration names it from then on."""
+    configuration names it until it is removed."""
     ctl, _ = await served()
     refiner = FLUX.build(2)
     expected = FLUX.run(FLUX.build(2))
@@ -91,6 +91,9 @@ async def test_an_added_component_takes_the_residency_it_is_given() -> None:
     assert ctl.config.mode_for("refiner").value == "layerwise-offload"
     async with ctl.use("refiner") as module:
         assert torch.equal(FLUX.run(module), expected)
+    await ctl.remove_component("refiner")
+    assert ctl.config.to_string() == RESIDENCY  # its selector goes with it
+    assert (await ctl.set_residency(ctl.config)).success
     await ctl.aclose()
     assert not is_layerwise_offloaded(refiner)
 
