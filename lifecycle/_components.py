@@ -46,9 +46,11 @@ from strategies.protocol import (
 from . import _events as events
 from ._discard import refuse_stale, stale_counts
 from ._errors import (
+    NOT_INITIALIZED,
     ComponentAsleep,
     ComponentBusy,
     ComponentNotPlaced,
+    InvalidRequest,
     TransitionRejected,
     UnknownComponent,
 )
@@ -333,6 +335,82 @@ class Components(Mapping[str, Component]):
 
         move.on_commit = swap
         return move
+
+    # -- components added or removed while attached -----------------------------------
+    def refuse_add(self, name: object, module: object) -> None:
+        """Raise why component ``name`` (``module``) cannot be added now, if it cannot: not
+        attached, sleeping, a name taken, a module (or a part of it) already a component
+        here or guarded by another controller."""
+        trigger, phase = "add_component", self._phase()
+        if not isinstance(name, str) or not name.strip():
+            raise InvalidRequest("name", f"a component name must be a non-empty string, "
+                                 f"got {name!r}")
+        if not isinstance(module, nn.Module):
+            raise InvalidRequest("module", f"component {name!r} must be a torch.nn.Module, "
+                                 f"got {type(module).__name__}")
+        if phase is Phase.UNINITIALIZED:
+            raise TransitionRejected(trigger, phase, f"{NOT_INITIALIZED}: attach() a pipeline "
+                                     "first")
+        if phase is not Phase.AWAKE:
+            raise TransitionRejected(trigger, phase, f"cannot add component {name!r} while "
+                                     f"{phase.value}: wake the pipeline first (a component is "
+                                     "added placed for serving)")
+        if name in self._by_name:
+            raise TransitionRejected(trigger, phase, f"a component named {name!r} is attached "
+                                     f"already (components: {sorted(self._by_name)}); "
+                                     f"remove_component({name!r}) first")
+        parts = {id(m) for m in module.modules()}
+        for other in self._by_name.values():
+            if parts & {id(m) for m in other.module.modules()}:
+                raise TransitionRejected(trigger, phase, f"module {type(module).__name__} of "
+                                         f"{name!r} is (or shares modules with) component "
+                                         f"{other.name!r}: a module is managed once")
+        if any(isinstance(getattr(hook, "__self__", None), ComputeGuard)
+               for m in module.modules() for hook in m._forward_pre_hooks.values()):
+            raise TransitionRejected(trigger, phase, f"module {type(module).__name__} of "
+                                     f"{name!r} is managed by another controller (its forwards "
+                                     "are guarded by one): detach it there first")
+
+    def add(self, c: Component, enabled: list[nn.Module]) -> None:
+        """Take ``c`` (built and placed by ``add_component``) as one more attached component,
+        its forwards checked. A new mapping: iterations in progress see the old one."""
+        check = functools.partial(self.check_forward, c.name)
+        c.strategy.forward_check = check
+        c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
+                               root_check=self._layer.check_compute)
+        self._by_name = {**self._by_name, c.name: c}
+        self._enabled = [*self._enabled, *enabled]
+
+    def refuse_remove(self, name: str) -> Component:
+        """Component ``name``, or why it cannot be removed now: not attached, unknown, the
+        only one, in use, its weights discarded."""
+        trigger, phase = "remove_component", self._phase()
+        if phase is Phase.UNINITIALIZED:
+            raise TransitionRejected(trigger, phase, NOT_INITIALIZED)
+        if name not in self._by_name:
+            raise UnknownComponent(name, list(self._by_name))
+        c = self._by_name[name]
+        if len(self._by_name) == 1:
+            raise TransitionRejected(trigger, phase, f"{name!r} is the only component: "
+                                     "detach() the pipeline instead")
+        if c.users:
+            raise TransitionRejected(trigger, phase, f"component {name!r} is in use "
+                                     f"({c.users} use(s) in flight): remove it once they end")
+        if c.strategy.store.stale_count or c.strategy.store.discarded is not None:
+            raise TransitionRejected(trigger, phase, f"component {name!r} holds weights "
+                                     "discarded by the sleep (undefined values): update or "
+                                     "wake it first, or detach() the pipeline")
+        return c
+
+    def remove(self, name: str) -> None:
+        """Forget component ``name`` (its move to the host committed): guard and hooks
+        removed, a layerwise mark we made taken back. A new mapping, as in :meth:`add`."""
+        c = self._by_name[name]
+        if c.guard:
+            c.guard.remove()
+        abandon([c], [m for m in self._enabled if m is c.module])
+        self._by_name = {n: other for n, other in self._by_name.items() if n != name}
+        self._enabled = [m for m in self._enabled if m is not c.module]
 
 
 def build(found: Mapping[str, nn.Module], config: ResidencyConfig, layer: DeviceLayer

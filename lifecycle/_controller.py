@@ -51,6 +51,7 @@ from ._errors import (
     NOT_INITIALIZED,
     DrainTimeout,
     GroupBroken,
+    InvalidRequest,
     TransitionFailed,
     TransitionRejected,
     failures_roll_back,
@@ -58,8 +59,9 @@ from ._errors import (
 )
 from ._events import get_logger
 from ._group import Collective, describe
+from ._loaders import NameMap, disk_plan, tensors_plan
 from ._lora import LoraBases, plan_tensors
-from ._measure import Measurer, is_auto
+from ._measure import Measurer, fixed_modes, is_auto
 from ._phase import Phase, PhaseMachine, Refusal, Rule, refusal
 from ._pipeline import components_of
 from ._planner import ResidencyPlan
@@ -113,6 +115,8 @@ class LifecycleController:
         # reference's clients send an empty body): see lifecycle._discard.
         self.discard_on_release: Discard = discard_on_release
         self.config = ResidencyConfig() if self._auto else ResidencyConfig.parse(residency)
+        # "auto,transformer=layerwise-offload": the modes the plan at attach keeps.
+        self._fixed = fixed_modes(residency) if self._auto else ResidencyConfig()
         self.last_plan: ResidencyPlan | None = None  # the plan attach applied (auto)
         # Told (trigger, bytes copied so far, bytes to copy) during sleep and wake.
         self.progress = progress
@@ -282,8 +286,9 @@ class LifecycleController:
                 raise
             if self._auto:
                 assert self.device_budget is not None
+                self._fixed.validate_components(found)
                 self.last_plan = await self._measurer.plan_at_attach(
-                    found, self.device_budget, int(self.activation_reserve or 0))
+                    found, self.device_budget, int(self.activation_reserve or 0), self._fixed)
                 self.config = self.last_plan.config
             self.config.validate_components(found)
             resolve_discard(self.discard_on_release, found, "discard_on_release")
@@ -319,6 +324,82 @@ class LifecycleController:
                 self._machine.fire("detach")
                 await self._release_cache()
                 self._summary("detach", source, copied, time.perf_counter() - t0)
+            return self.phase
+
+    # -- components added or removed while attached -------------------------------------
+    async def add_component(self, name: str, module: nn.Module, *,
+                            residency: str | ResidencyMode | None = None) -> Phase:
+        """Attach one more component (an adapter, a refiner, a second text encoder loaded
+        later) and place it for serving, all or nothing: a fault at any allocation or copy,
+        or a cancellation, leaves the pipeline as it was and ``module`` as it came.
+
+        ``residency``: its mode (else the configuration's, by name, group or ``all``). Only
+        while awake, and not for a name taken, a module already a component here (or part
+        of one) or one another controller manages: refused with :class:`TransitionRejected`
+        saying why (:class:`InvalidRequest` for a malformed name or module). The other
+        components' uses go on meanwhile. With a process group, every rank calls it."""
+        async with self._lock, self._ranks.section("add_component"):
+            self._components.refuse_add(name, module)
+            config = self.config if residency is None else dataclasses.replace(
+                self.config, modes={**self.config.modes,
+                                    name: ResidencyConfig.parse({name: residency}).mode_for(name)})
+            config.validate_components([*self._components, name])
+            others = sorted(n for n in self._components
+                            if config.mode_for(n) is not self.config.mode_for(n))
+            if others:
+                raise TransitionRejected("add_component", self.phase,
+                                         f"residency {residency!r} for {name!r} would also "
+                                         f"change components {others} (a group selector): "
+                                         "name it with set_residency instead")
+            built, enabled = build({name: module}, config, self._layer)
+            adopted = 0
+
+            async def prepare(moves: list[PreparedMove]) -> None:
+                nonlocal adopted  # in the transaction: a fault there fails it, typed
+                adopted = await adopt(built.values())
+                await prepare_placement(built.values(), moves)
+
+            with events.bound(transition="add_component", transition_id=next(_ids)):
+                t0 = time.perf_counter()
+                try:
+                    copied = adopted + await self._transact("add_component", prepare, land=False)
+                except BaseException as exc:
+                    abandon(built.values(), enabled)
+                    # The caller may keep the error: its frames must not keep the failed
+                    # placement's buffers alive (device memory no report counts).
+                    built, enabled = {}, []
+                    forget_locals(exc)
+                    raise
+                self._components.add(built[name], enabled)
+                self.config = config
+                self._summary("add_component", self.phase, copied, time.perf_counter() - t0)
+            return self.phase
+
+    async def remove_component(self, name: str) -> Phase:
+        """Give component ``name`` back (its module holding its own weights on the host, its
+        hooks removed) and forget it, all or nothing; the others stay as they are.
+
+        Drains uses like any transition; refused with :class:`TransitionRejected` while it is
+        in use, when it is the only component (detach instead) or holds discarded weights;
+        :class:`UnknownComponent` for a name not attached. With a process group, every rank
+        calls it."""
+        async with self._lock, self._ranks.section("remove_component"):
+            c = self._components.refuse_remove(name)
+            with events.bound(transition="remove_component", transition_id=next(_ids)):
+                t0 = time.perf_counter()
+                async with self._uses.drained("remove_component"):
+                    self._components.refuse_remove(name)  # a use may have started meanwhile
+                    try:
+                        copied = await self._transact(
+                            "remove_component", functools.partial(prepare_release, [c]))
+                    except BaseException as exc:
+                        forget_locals(exc)  # as in add_component
+                        raise
+                self._components.remove(name)
+                self.config = self.config.without(name)
+                self._lora.forget(name)
+                await self._release_cache()
+                self._summary("remove_component", self.phase, copied, time.perf_counter() - t0)
             return self.phase
 
     # -- residency while attached ------------------------------------------------------
@@ -553,25 +634,42 @@ class LifecycleController:
     async def update_weights_from_disk(self, model_path: str | os.PathLike[str],
                                        target_modules: Sequence[str] | None = None, *,
                                        weight_version: str | None = None,
-                                       flush_cache: bool = False) -> UpdateResult:
+                                       flush_cache: bool = False,
+                                       load_weights: bool | None = None,
+                                       name_map: NameMap | None = None) -> UpdateResult:
         """Load ``<model_path>/<component>/*.safetensors`` (or one ``.safetensors`` file with
-        ``<component>.<name>`` keys) into the pipeline, all or nothing."""
+        ``<component>.<name>`` keys) into the pipeline, all or nothing.
+
+        A component whose module defines ``load_weights(weights)`` is updated through it
+        (``load_weights=False``: not; ``True``: refused for one without); ``name_map``
+        renames the checkpoint's names instead (see lifecycle._loaders)."""
         stores = self._components.stores()
-        return self._answer(await self._update("update_from_disk", lambda: plan_from_disk(
-            stores, model_path, None if target_modules is None else list(target_modules)),
-            label=version_label(weight_version), flush=flush_cache))
+        targets = None if target_modules is None else list(target_modules)
+        make = disk_plan(stores, model_path, targets, load_weights, name_map) or \
+            (lambda: plan_from_disk(stores, model_path, targets))
+        return self._answer(await self._update("update_from_disk", make,
+                                               label=version_label(weight_version),
+                                               flush=flush_cache))
 
     async def update_weights_from_tensors(
             self, named_tensors: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
             target_module: str = "transformer", *, weight_update_mode: str | None = None,
             lora_alpha: float | None = None, lora_rank: int | None = None,
-            weight_version: str | None = None, flush_cache: bool = False) -> UpdateResult:
+            weight_version: str | None = None, flush_cache: bool = False,
+            load_weights: bool | None = None, name_map: NameMap | None = None) -> UpdateResult:
         """Write ``named_tensors`` (names inside ``target_module``) into it, all or nothing.
         ``weight_update_mode="lora_merge"``: they are LoRA A/B tensors, merged into their
-        linears' pristine bases (see lifecycle._lora)."""
+        linears' pristine bases (see lifecycle._lora). A module defining
+        ``load_weights(weights)`` is updated through it, and ``name_map`` renames the names,
+        as in :meth:`update_weights_from_disk`."""
         stores, label = self._components.stores(), version_label(weight_version)
-        make = plan_tensors(stores, named_tensors, target_module, weight_update_mode, lora_alpha,
-                            lora_rank, self._lora)
+        own = None if weight_update_mode == "lora_merge" else \
+            tensors_plan(stores, named_tensors, target_module, load_weights, name_map)
+        if weight_update_mode == "lora_merge" and (name_map is not None or load_weights):
+            raise InvalidRequest("weight_update_mode", "lora_merge merges LoRA tensors by "
+                                 "their own names: it takes no name_map or load_weights")
+        make = own or plan_tensors(stores, named_tensors, target_module, weight_update_mode,
+                                   lora_alpha, lora_rank, self._lora)
         return self._answer(await self._update("update_from_tensors", make, label=label,
                                                flush=flush_cache))
 

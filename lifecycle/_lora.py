@@ -340,6 +340,11 @@ class LoraBases:
         """Forget every base (the pipeline was detached)."""
         self._bases.clear()
 
+    def forget(self, component: str) -> None:
+        """Forget the bases of ``component`` (it was removed)."""
+        for key in [k for k in self._bases if k[0] == component]:
+            del self._bases[key]
+
     def attach_bases(self, store: TensorStore, targets: Sequence[LoraTarget]) -> None:
         """Give each target its kept base, or take one now from the live weight (kept only
         if the update commits). Blocking: in a worker thread."""

@@ -21,7 +21,7 @@ import anyio
 import anyio.to_thread
 from torch import nn
 
-from strategies import ResidencyConfig, is_fsdp_managed
+from strategies import ResidencyConfig, ResidencyMode, is_fsdp_managed
 from strategies.protocol import TensorStore
 
 from . import _events as events
@@ -39,7 +39,7 @@ from ._planner import (
 from ._results import ResidencyChange
 from ._uses import Recording, Uses
 
-__all__ = ["DeclaredUses", "Measurer", "Request", "is_auto"]
+__all__ = ["DeclaredUses", "Measurer", "Request", "fixed_modes", "is_auto"]
 
 _log = get_logger("lifecycle")
 _SIZES_ONLY = "sizes (each component once, in attach order)"
@@ -50,10 +50,29 @@ Request = Callable[[], Awaitable[object]]
 DeclaredUses = Sequence[str | tuple[str, float] | tuple[str, float, int]]
 
 
+def _auto_entries(residency: object) -> list[str] | None:
+    """The other entries of an ``"auto[,COMPONENT=MODE...]"`` residency (a string, or a list
+    of such strings), None when it is not one."""
+    pieces = [residency] if isinstance(residency, str) else \
+        list(residency) if isinstance(residency, (list, tuple)) and \
+        all(isinstance(p, str) for p in residency) else []
+    entries = [e.strip() for p in pieces for e in str(p).split(",") if e.strip()]
+    if not any(e.lower() == "auto" for e in entries):
+        return None
+    return [e for e in entries if e.lower() != "auto"]
+
+
+def fixed_modes(residency: object) -> ResidencyConfig:
+    """What ``"auto,transformer=layerwise-offload"`` fixes: the modes the planner plans the
+    rest around (empty for a plain ``"auto"``; validated like any residency)."""
+    return ResidencyConfig.parse(_auto_entries(residency) or None)
+
+
 def is_auto(residency: object, device_budget: object) -> bool:
-    """Whether ``residency`` is ``"auto"``: plan at attach, from sizes alone, under
+    """Whether ``residency`` is ``"auto"`` (alone, or with ``COMPONENT=MODE`` entries it keeps:
+    ``"auto,transformer=layerwise-offload"``): plan at attach, from sizes alone, under
     ``device_budget`` (which only that takes, and which it needs)."""
-    auto = isinstance(residency, str) and residency.strip().lower() == "auto"
+    auto = _auto_entries(residency) is not None
     if auto and device_budget is None:
         raise ValueError("residency='auto' needs a device_budget (bytes, '20GiB' or '90%')")
     if device_budget is not None and not auto:
@@ -92,23 +111,26 @@ class Measurer:
         return dataclasses.replace(plan, warmup=warmup)
 
     async def plan_at_attach(self, found: Mapping[str, nn.Module],
-                             device_budget: int | float | str, activation_reserve: int
-                             ) -> ResidencyPlan:
+                             device_budget: int | float | str, activation_reserve: int,
+                             fixed: ResidencyConfig | None = None) -> ResidencyPlan:
         """residency='auto': a plan from sizes alone (each component used once per request,
-        in attach order), before anything is placed."""
+        in attach order), before anything is placed; ``fixed``: the modes it keeps."""
         t0 = time.perf_counter()
         sizes = tuple(ComponentSizes.of(n, m, TensorStore(n, m, self._layer),
                                         is_fsdp_managed(m)) for n, m in found.items())
         bandwidth, latency = await self._measure_link(sizes)
         m = Measurements(sizes, tuple(Use(n) for n in found), bandwidth, 0.0, activation_reserve,
                          _SIZES_ONLY, latency, self._layer.copies_overlap_compute)
-        plan, budget = await self._make(m, device_budget, t0)
+        keep = {} if fixed is None else \
+            {n: fixed.mode_for(n) for n in found if fixed.names_mode_of(n)}
+        plan, budget = await self._make(m, device_budget, t0, keep)
         _log.info(events.PLAN_APPLIED, config=plan.config.to_string(), budget=budget,
                   predicted_peak=plan.predicted_peak_bytes, rank=self._rank(),
                   controller=self._controller_id)
         return plan
 
-    async def _make(self, m: Measurements, device_budget: int | float | str, started: float
+    async def _make(self, m: Measurements, device_budget: int | float | str, started: float,
+                    fixed: Mapping[str, ResidencyMode] | None = None
                     ) -> tuple[ResidencyPlan, int]:
         """The plan for ``device_budget`` (resolved against the free device memory) and the
         budget in bytes."""
@@ -116,7 +138,7 @@ class Measurer:
                               pipeline_bytes=m.pipeline_bytes)
         # The search is pure Python (milliseconds to a fraction of a second): off the loop.
         plan = await anyio.to_thread.run_sync(
-            functools.partial(make_plan, m, budget, planner_started=started),
+            functools.partial(make_plan, m, budget, planner_started=started, fixed=fixed),
             limiter=self._threads)
         return plan, budget
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from torch import nn
 
-from strategies import LayerwiseTuning, ResidencyConfig, ResidencyMode
+from strategies import ComponentResidencyError, LayerwiseTuning, ResidencyConfig, ResidencyMode
 from strategies.protocol import Shape, TensorStore, check_block_lists
 
 from ._errors import LifecycleError, UnknownComponent
@@ -567,13 +567,35 @@ def _why(name: str, chosen: Option, options: Sequence[Option], layout: Mapping[s
            f"peak at {format_bytes(peak)}, over the budget by {format_bytes(max(0, peak - budget))}"
 
 
-def make_plan(measurements: Measurements, budget: int, *, planner_started: float) -> ResidencyPlan:
-    """The plan for ``budget`` bytes (raises :class:`InfeasibleBudget`)."""
+def _keep_fixed(all_options: list[list[Option]], sizes: Sequence[ComponentSizes],
+                fixed: Mapping[str, ResidencyMode]) -> None:
+    """Leave each fixed component only the options of its fixed mode (a layerwise one keeps
+    the choice of prefetch and resident layers); refuse a mode it cannot have."""
+    for i, size in enumerate(sizes):
+        mode = fixed.get(size.name)
+        if mode is None:
+            continue
+        kept = [o for o in all_options[i] if o.mode is mode]
+        if not kept:
+            why = "it is FSDP-managed" if size.fsdp else "it has no block list to stream"
+            raise ComponentResidencyError(
+                f"Component {size.name!r} is fixed to {mode.value} in residency='auto,...', "
+                f"but {why}; modes it can have: "
+                f"{sorted({o.mode.value for o in all_options[i]})}")
+        all_options[i] = kept
+
+
+def make_plan(measurements: Measurements, budget: int, *, planner_started: float,
+              fixed: Mapping[str, ResidencyMode] | None = None) -> ResidencyPlan:
+    """The plan for ``budget`` bytes (raises :class:`InfeasibleBudget`); ``fixed``: the
+    components whose mode the user chose (``residency="auto,transformer=..."``), planned
+    around."""
     m = measurements
     names = [s.name for s in m.sizes]
     sizes = {s.name: s for s in m.sizes}
     all_options = [options_for(s, [u for u in m.uses if u.name == s.name], m.bandwidth,
                                m.copy_latency, m.overlap) for s in m.sizes]
+    _keep_fixed(all_options, m.sizes, fixed or {})
     options = [prune(o) for o in all_options]
     found = search(names, options, m.uses, budget, m.activation_reserve)
     if not found:
@@ -585,7 +607,8 @@ def make_plan(measurements: Measurements, budget: int, *, planner_started: float
     chosen = {n: options[i][j] for i, (n, j) in enumerate(zip(names, best.choice, strict=True))}
     decisions = tuple(ComponentDecision(
         n, sizes[n].resident, chosen[n],
-        _why(n, chosen[n], options[i], chosen, m.uses, budget, m.activation_reserve))
+        ("mode fixed by the residency; " if fixed and n in fixed else "")
+        + _why(n, chosen[n], options[i], chosen, m.uses, budget, m.activation_reserve))
         for i, n in enumerate(names))
     runners = tuple(RunnerUp(
         tuple((n, options[i][j].label()) for i, (n, j) in enumerate(zip(names, c.choice,

@@ -316,6 +316,8 @@ class SyncLifecycleController:
     # -- transitions -------------------------------------------------------------------
     attach = _awaited(LifecycleController.attach)
     detach = _awaited(LifecycleController.detach)
+    add_component = _awaited(LifecycleController.add_component)
+    remove_component = _awaited(LifecycleController.remove_component)
     sleep = _awaited(LifecycleController.sleep)
     wake = _awaited(LifecycleController.wake)
     release_memory_occupation = _awaited(LifecycleController.release_memory_occupation)

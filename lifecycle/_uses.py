@@ -238,6 +238,8 @@ class Uses:
             c.users -= 1
             if c.users:
                 return
+            if self._keep_for_next(c):
+                return
             try:
                 await c.strategy.finish_use()
             except Exception as exc:
@@ -246,6 +248,22 @@ class Uses:
                 _log.warning(events.USE_RELEASE_FAILED, component=c.name,
                              error=f"{type(exc).__name__}: {exc}", rank=self.rank(),
                              controller=self.controller_id)
+
+    def _keep_for_next(self, c: Component) -> bool:
+        """Within a request whose next use is ``c`` again (``["text_encoder",
+        "text_encoder", "transformer"]``), leave ``c`` placed for it: it is held like a
+        prepared prefetch (a lease of its own; a drain or the request's end releases it), so
+        the adjacent uses share one move in and one move out."""
+        req = self._request.get()
+        if req is None or req.position < 0 or c.prefetch is not None \
+                or req.order[req.position] != c.name \
+                or req.position + 1 >= len(req.order) or req.order[req.position + 1] != c.name \
+                or self.phase() is not Phase.AWAKE or self.admission.closed_by is not None:
+            return False
+        c.prefetch = _Prefetch(self.admission.take(f"{c.name} (kept for the next use)"),
+                               started=True, ready=True)
+        req.started.add(c.name)
+        return True
 
     # -- request and prefetch ----------------------------------------------------------
     @asynccontextmanager
@@ -300,13 +318,13 @@ class Uses:
 
     def _prefetch_next(self, name: str) -> None:
         req = self._request.get()
-        if req is None or not self.prefetch_components:
+        if req is None:
             return
         try:
             req.position = req.order.index(name, req.position + 1)
         except ValueError:
             return
-        if req.position + 1 >= len(req.order):
+        if req.position + 1 >= len(req.order) or not self.prefetch_components:
             return
         nxt = self.components[req.order[req.position + 1]]
         if nxt.users or nxt.prefetch is not None or nxt is self.components[name]:

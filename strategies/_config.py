@@ -16,7 +16,7 @@ import enum
 import functools
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -45,7 +45,12 @@ class ResidencyMode(enum.Enum):
     LAYERWISE_OFFLOAD = "layerwise-offload"
 
 
-RESIDENCY_POLICIES: tuple[str, ...] = ("leading", "strided")
+RESIDENCY_POLICIES: tuple[str, ...] = ("leading", "strided", "first_last")
+# A policy may also be a callable over ``(index, name, bytes)`` of each layer (definition
+# order across the block lists, the layer's dotted name, its bytes) returning whether it is
+# resident: :class:`LayerwiseTuning` calls it once per layer when the strategy is built.
+LayerPicker = Callable[[int, str, int], bool]
+Policy = str | LayerPicker
 DIT_GROUP: tuple[str, ...] = (
     "transformer",
     "transformer_2",
@@ -106,12 +111,13 @@ def _check_number(option: str, value: float, component: str | None = None) -> fl
     return number
 
 
-def _check_policy(policy: str, component: str | None = None) -> str:
-    if policy in RESIDENCY_POLICIES:
+def _check_policy(policy: Policy, component: str | None = None) -> Policy:
+    if callable(policy) or policy in RESIDENCY_POLICIES:
         return policy
     where = f" for component {component!r}" if component is not None else ""
-    message = f"unknown residency policy {policy!r}{where}, expected one of {RESIDENCY_POLICIES}"
-    hint = _closest(policy, RESIDENCY_POLICIES)
+    message = (f"unknown residency policy {policy!r}{where}, expected one of "
+               f"{RESIDENCY_POLICIES} or a callable (index, name, bytes) -> bool")
+    hint = _closest(str(policy), RESIDENCY_POLICIES)
     raise ValueError(message + (f"; did you mean {hint!r}?" if hint else ""))
 
 
@@ -119,14 +125,20 @@ def _check_policy(policy: str, component: str | None = None) -> str:
 class LayerwiseTuning:
     """How one layerwise-offloaded component streams its layers.
 
-    ``prefetch`` below 1 is a ratio of the layer count, otherwise a count of layers copied
-    ahead; ``resident_layers`` below 1 is a ratio, otherwise a count of layers kept on the
-    device for the whole use; ``policy`` picks which layers those are.
+    ``prefetch``: how many streamed layers are copied ahead of the one running. ``0`` is no
+    read-ahead at all (each layer is copied when its forward starts: one layer at a time);
+    a value strictly between 0 and 1 is a ratio of the layer count (``1 + round(p * (n -
+    1))``); 1 or more is a count (truncated). ``resident_layers`` below 1 is a ratio,
+    otherwise a count of layers kept on the device for the whole use; ``policy`` picks which
+    layers those are: ``leading``, ``strided``, ``first_last`` (half of them from each end,
+    the extra one first; with ``resident_layers`` 0, the first and the last layer), or a
+    callable over each layer's ``(index, name, bytes)`` returning whether it is resident
+    (``resident_layers`` is then not used).
     """
 
     prefetch: float = 1.0
     resident_layers: float = 0.0
-    policy: str = "leading"
+    policy: Policy = "leading"
 
     def __post_init__(self) -> None:
         resident = _check_number("resident_layers", self.resident_layers)
@@ -134,17 +146,51 @@ class LayerwiseTuning:
         object.__setattr__(self, "resident_layers", resident)
         _check_policy(self.policy)
 
-    def resolve(self, num_layers: int) -> tuple[int, tuple[int, ...]]:
+    def pick(self, layers: Sequence[tuple[str, int]]) -> frozenset[int] | None:
+        """A callable policy's resident layers: the indices of ``layers`` (``(name,
+        bytes)`` in definition order) it returns True for; None for a named policy.
+
+        Raises ``ValueError`` naming the layer when the callable raises or returns anything
+        but a bool."""
+        picker = self.policy
+        if not callable(picker):
+            return None
+        picked: set[int] = set()
+        for index, (name, nbytes) in enumerate(layers):
+            try:
+                answer = picker(index, name, nbytes)
+            except Exception as exc:
+                raise ValueError(f"residency policy {_name_of(picker)} raised for layer "
+                                 f"{index} ({name!r}): {type(exc).__name__}: {exc}") from None
+            if not isinstance(answer, bool):
+                raise ValueError(f"residency policy {_name_of(picker)} must return a bool "
+                                 f"for layer {index} ({name!r}), got {answer!r}")
+            if answer:
+                picked.add(index)
+        return frozenset(picked)
+
+    def resolve(self, num_layers: int, picked: Iterable[int] | None = None
+                ) -> tuple[int, tuple[int, ...]]:
         """Return ``(prefetch_count, resident_layer_indices)`` for a block list of ``num_layers``.
 
-        The prefetch count never exceeds the number of streamed layers (0 when none is).
+        ``picked``: with a callable policy, the positions it picked (see :meth:`pick`). The
+        prefetch count never exceeds the number of streamed layers (0 when none is).
         """
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {num_layers}")
-        resident = self._resident_indices(num_layers)
+        if callable(self.policy):
+            if picked is None:
+                raise ValueError("a callable residency policy needs the layers it picked")
+            resident = tuple(sorted(p for p in set(picked) if 0 <= p < num_layers))
+        else:
+            resident = self._resident_indices(num_layers)
         streamed = num_layers - len(resident)
-        ratio = self.prefetch < 1
-        wanted = 1 + round(self.prefetch * (num_layers - 1)) if ratio else int(self.prefetch)
+        if self.prefetch == 0:
+            wanted = 0  # no read-ahead: one streamed layer on the device at a time
+        elif self.prefetch < 1:
+            wanted = 1 + round(self.prefetch * (num_layers - 1))
+        else:
+            wanted = int(self.prefetch)
         return min(wanted, streamed), resident
 
     def _resident_count(self, n: int) -> int:
@@ -157,6 +203,10 @@ class LayerwiseTuning:
 
     def _resident_indices(self, n: int) -> tuple[int, ...]:
         count = self._resident_count(n)
+        if self.policy == "first_last":
+            count = count or min(2, n)
+            front = (count + 1) // 2
+            return tuple(range(front)) + tuple(range(n - (count - front), n))
         if self.policy == "leading" or count in (0, n):
             return tuple(range(count))
         # Consecutive values i*n/s (s streamed layers) are more than 1 apart when count > 0,
@@ -165,6 +215,10 @@ class LayerwiseTuning:
         streamed_count = n - count
         streamed = {round(i * n / streamed_count) for i in range(streamed_count)}
         return tuple(index for index in range(n) if index not in streamed)
+
+
+def _name_of(picker: LayerPicker) -> str:
+    return repr(getattr(picker, "__name__", type(picker).__name__))
 
 
 def _entries(value: object, option: str) -> list[tuple[str, object]]:
@@ -251,7 +305,9 @@ def _to_number(option: str, selector: str, raw: object) -> float:
     return _check_number(option, number, selector)
 
 
-def _to_policy(selector: str, raw: object) -> str:
+def _to_policy(selector: str, raw: object) -> Policy:
+    if callable(raw):
+        return _check_policy(raw, selector)
     return _check_policy(str(raw).strip().lower(), selector)
 
 
@@ -308,7 +364,7 @@ def _parse_numbers(value: object, option: str) -> Mapping[str, float]:
     return MappingProxyType(_selector_map(value, option, functools.partial(_to_number, option)))
 
 
-def _parse_policies(value: object) -> Mapping[str, str]:
+def _parse_policies(value: object) -> Mapping[str, Policy]:
     return MappingProxyType(_selector_map(value, "policy", _to_policy))
 
 
@@ -331,7 +387,7 @@ class ResidencyConfig:
     modes: Mapping[str, ResidencyMode] = dataclasses.field(default_factory=dict)
     prefetch: Mapping[str, float] = dataclasses.field(default_factory=dict)
     resident_layers: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    policy: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    policy: Mapping[str, Policy] = dataclasses.field(default_factory=dict)
     layers: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -389,6 +445,22 @@ class ResidencyConfig:
     def mode_for(self, component: str) -> ResidencyMode:
         """Return the mode of a component: exact name > group > ``all`` > ``resident``."""
         return _lookup(self.modes, component, ResidencyMode.RESIDENT)
+
+    def without(self, component: str) -> ResidencyConfig:
+        """This config less the exact selector of ``component`` in every map (groups and
+        ``all`` stay): what is left once the component is removed."""
+        name = _normalise_selector(component)
+        if name in _GROUPS:
+            return self
+        maps = {option: {k: v for k, v in mapping.items() if k != name}
+                for option, mapping in self._maps().items()}
+        return ResidencyConfig(**maps)  # type: ignore[arg-type]
+
+    def names_mode_of(self, component: str) -> bool:
+        """Whether a selector of :attr:`modes` (exact, group or ``all``) reaches ``component``
+        (else :meth:`mode_for` is the default)."""
+        name = _normalise_selector(component)
+        return any(s is not None and s in self.modes for s in (name, group_of(name), _ALL))
 
     def layerwise_tuning_for(self, component: str) -> LayerwiseTuning:
         """Return a component's layerwise tuning, each setting resolved like :meth:`mode_for`."""

@@ -21,6 +21,7 @@ from ._layerwise import (
     layer_keys,
     layerwise_blocks,
 )
+from ._layerwise import _nbytes as layer_nbytes
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._resident import ResidentStrategy
 from ._store import TensorStore
@@ -57,7 +58,11 @@ def build_strategy(name: str, module: nn.Module, config: ResidencyConfig,
     if is_layerwise_offloaded(module):
         layers = layer_keys(module)
         store = TensorStore(name, module, store_layer, [k for k, _ in layers])
-        return LayerwiseOffloadStrategy(name, store, config.layerwise_tuning_for(name), layers)
+        try:
+            return LayerwiseOffloadStrategy(name, store, config.layerwise_tuning_for(name),
+                                            layers)
+        except ValueError as exc:  # a callable policy refused its layers
+            raise ComponentResidencyError(f"Component {name!r}: {exc}") from None
     if mode is ResidencyMode.LAYERWISE_OFFLOAD:
         raise ComponentResidencyError(
             f"Component {name!r} resolved to layerwise-offload, but its loaded module did not "
@@ -96,11 +101,15 @@ class Shape:
         if mode is not ResidencyMode.LAYERWISE_OFFLOAD:
             return cls(mode)
         lists = config.layers_for(name) or layerwise_blocks(module) or None
+        tuning = config.layerwise_tuning_for(name)
         try:
             found = check_block_lists(module, lists)  # marks the module only at commit
+            # A callable policy is asked now: the strategy is built at commit, which
+            # cannot fail.
+            tuning.pick([(k, layer_nbytes(b)) for k, b in layer_keys(module, found)])
         except ValueError as exc:
             raise ComponentResidencyError(f"Component {name!r}: {exc}") from None
-        return cls(mode, found, config.layerwise_tuning_for(name))
+        return cls(mode, found, tuning)
 
     def store(self, name: str, module: nn.Module, layer: DeviceLayer,
               layout: TensorStore | None = None) -> TensorStore:

@@ -202,6 +202,9 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
         self.layers = layers
         n = len(layers)
         self.units: list[Unit | None] = [store.by_key.get(key) for key, _ in layers]
+        # A callable policy picks resident layers by definition index, once, before any
+        # hook is registered (so a policy that raises leaves the module untouched).
+        self._picked = tuning.pick([(key, _nbytes(block)) for key, block in layers])
         self._lock = threading.RLock()
         self._fetches: dict[int, Fetch] = {}
         self._running: dict[int, int] = {}
@@ -239,7 +242,9 @@ class LayerwiseOffloadStrategy(ResidencyStrategy):
         that *run*, whichever block list they are in."""
         self.order = order
         self._pos = {i: p for p, i in enumerate(order)}
-        self.prefetch, positions = self.tuning.resolve(len(order))
+        picked = None if self._picked is None else \
+            [p for p, i in enumerate(order) if i in self._picked]
+        self.prefetch, positions = self.tuning.resolve(len(order), picked)
         self.resident = frozenset(order[p] for p in positions)
         self._first = next((i for i in order if i not in self.resident), order[0])
 

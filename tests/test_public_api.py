@@ -69,7 +69,7 @@ def test_strategies_all_is_exactly_its_public_names() -> None:
     assert len(strategies.__all__) == len(set(strategies.__all__)) <= 30
     assert set(strategies.__all__) == public_names(strategies)
     assert set(strategies.__all__) == STRATEGIES_API
-    assert strategies.RESIDENCY_POLICIES == ("leading", "strided")
+    assert strategies.RESIDENCY_POLICIES == ("leading", "strided", "first_last")
     assert protocol.__all__ == sorted(protocol.__all__)
     assert set(protocol.__all__) == public_names(protocol) == PROTOCOL_API
 

@@ -50,7 +50,7 @@ def test_mode_values_are_the_documented_names() -> None:
 
 def test_policies_and_groups_are_the_documented_tuples() -> None:
     """The policy and group constants hold exactly the documented names."""
-    assert RESIDENCY_POLICIES == ("leading", "strided")
+    assert RESIDENCY_POLICIES == ("leading", "strided", "first_last")
     assert DIT_GROUP == ("transformer", "transformer_2", "video_dit", "video_dit_2", "audio_dit")
     assert VAE_GROUP == ("vae", "video_vae", "audio_vae")
 
@@ -344,7 +344,8 @@ def test_unknown_policy_without_close_match() -> None:
     """An unknown policy names the selector and the valid policies."""
     with raises_exactly(
         "unknown residency policy 'layerwise' for component 'dit', "
-        "expected one of ('leading', 'strided')"
+        "expected one of ('leading', 'strided', 'first_last') or a callable "
+        "(index, name, bytes) -> bool"
     ):
         ResidencyConfig.parse(policy="dit=layerwise")
 
@@ -354,7 +355,8 @@ def test_unknown_policy_suggests_the_closest_policy(policy: str, hint: str) -> N
     """A policy typo is hinted at with the closest valid policy."""
     with raises_exactly(
         f"unknown residency policy {policy.lower()!r} for component 'video_dit', "
-        f"expected one of ('leading', 'strided'); did you mean {hint!r}?"
+        "expected one of ('leading', 'strided', 'first_last') or a callable "
+        f"(index, name, bytes) -> bool; did you mean {hint!r}?"
     ):
         ResidencyConfig.parse(policy=f"Video-DiT={policy}")
 
@@ -444,7 +446,7 @@ def test_config_does_not_alias_the_callers_mapping() -> None:
 @pytest.mark.parametrize(
     ("prefetch", "expected"),
     [
-        (0.0, 1),  # 1 + round(0 * 9)
+        (0.0, 0),  # no read-ahead
         (0.25, 3),  # 1 + round(2.25)
         (0.5, 5),  # 1 + round(4.5) = 1 + 4 (round half to even)
         (0.99, 10),  # 1 + round(8.91)
@@ -455,7 +457,8 @@ def test_config_does_not_alias_the_callers_mapping() -> None:
     ],
 )
 def test_prefetch_resolves_ratios_and_counts(prefetch: float, expected: int) -> None:
-    """Prefetch below 1 is a ratio of n - 1 plus one layer, otherwise a count (n=10)."""
+    """Prefetch 0 reads nothing ahead, strictly between 0 and 1 it is a ratio of n - 1
+    plus one layer, otherwise a count (n=10)."""
     assert LayerwiseTuning(prefetch=prefetch).resolve(10) == (expected, ())
 
 
@@ -518,8 +521,8 @@ def test_layerwise_tuning_validates_its_fields() -> None:
     with raises_exactly("resident_layers must be a finite number, got nan"):
         LayerwiseTuning(resident_layers=float("nan"))
     with raises_exactly(
-        "unknown residency policy 'stride', expected one of ('leading', 'strided'); "
-        "did you mean 'strided'?"
+        "unknown residency policy 'stride', expected one of ('leading', 'strided', "
+        "'first_last') or a callable (index, name, bytes) -> bool; did you mean 'strided'?"
     ):
         LayerwiseTuning(policy="stride")
 
@@ -533,11 +536,54 @@ def test_layerwise_tuning_validates_its_fields() -> None:
 def test_resolve_keeps_exactly_r_sorted_unique_resident_layers(
     data: st.DataObject, n: int, policy: str, prefetch: float
 ) -> None:
-    """For any n and integer r <= n, exactly r distinct in-range layers stay, sorted."""
+    """For any n and integer r <= n, exactly r distinct in-range layers stay, sorted
+    (first_last with r = 0: the first and the last)."""
     r = data.draw(st.integers(min_value=0, max_value=n), label="r")
     count, resident = LayerwiseTuning(prefetch, float(r), policy).resolve(n)
-    assert len(resident) == r
+    kept = min(2, n) if policy == "first_last" and r == 0 else r
+    assert len(resident) == kept
     assert list(resident) == sorted(set(resident))
     assert all(0 <= index < n for index in resident)
-    assert 0 <= count <= n - r
-    assert (count == 0) == (r == n)
+    assert 0 <= count <= n - kept
+    assert (count == 0) == (kept == n or prefetch == 0)
+
+
+def test_a_callable_policy_passes_through_parse_and_picks_by_index_name_and_bytes() -> None:
+    """A callable given in the policy map is kept as it is; pick asks it for every layer and
+    resolve keeps the positions it picked."""
+
+    def odd(index: int, name: str, nbytes: int) -> bool:
+        return index % 2 == 1
+
+    tuning = ResidencyConfig.parse(policy={"dit": odd}).layerwise_tuning_for("transformer")
+    assert tuning.policy is odd
+    picked = tuning.pick([("blocks.0", 8), ("blocks.1", 8), ("blocks.2", 8), ("blocks.3", 8)])
+    assert picked == frozenset({1, 3})
+    assert tuning.resolve(4, picked) == (1, (1, 3))
+    assert LayerwiseTuning().pick([("blocks.0", 8)]) is None
+
+
+def test_a_callable_policy_needs_its_picks_and_answers_bools() -> None:
+    """resolve without the picks of a callable policy, and a callable answering a non-bool,
+    are refused naming what is wrong."""
+    tuning = LayerwiseTuning(policy=lambda i, n, b: 1)  # type: ignore[arg-type, return-value]
+    with raises_exactly("a callable residency policy needs the layers it picked"):
+        tuning.resolve(4)
+    with raises_exactly("residency policy '<lambda>' must return a bool for layer 0 "
+                        "('blocks.0'), got 1"):
+        tuning.pick([("blocks.0", 8)])
+
+
+@pytest.mark.parametrize(("n", "resident", "expected"), [
+    (1, 0.0, (0,)),
+    (2, 0.0, (0, 1)),
+    (6, 0.0, (0, 5)),
+    (6, 1.0, (0,)),
+    (6, 4.0, (0, 1, 4, 5)),
+    (6, 5.0, (0, 1, 2, 4, 5)),
+])
+def test_first_last_takes_half_from_each_end(n: int, resident: float,
+                                            expected: tuple[int, ...]) -> None:
+    """first_last: the first and the last layer by default, else half of resident_layers
+    from each end, the extra one at the front."""
+    assert LayerwiseTuning(resident_layers=resident, policy="first_last").resolve(n)[1] == expected

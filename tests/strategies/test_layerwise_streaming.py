@@ -35,7 +35,10 @@ pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 # (prefetch, resident_layers, policy) -> (resolved prefetch count, resident indices) for 6 layers
 TUNINGS: dict[tuple[float, float, str], tuple[int, tuple[int, ...]]] = {
-    (0.0, 0.0, "leading"): (1, ()),
+    (0.0, 0.0, "leading"): (0, ()),  # no read-ahead: one layer at a time
+    (0.0, 2.0, "first_last"): (0, (0, 5)),
+    (1.0, 0.0, "first_last"): (1, (0, 5)),
+    (2.0, 3.0, "first_last"): (2, (0, 1, 5)),
     (1.0, 0.0, "leading"): (1, ()),
     (2.0, 0.0, "strided"): (2, ()),
     (3.0, 0.25, "leading"): (3, (0, 1)),
