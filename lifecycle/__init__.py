@@ -1,6 +1,12 @@
 """The lifecycle of a model pipeline's weights: attach, sleep, wake, update, detach."""
 
-from strategies import ComponentResidencyError, ResidencyError, StoreError, UnsupportedCompute
+from strategies import (
+    ComponentResidencyError,
+    HostBudgetExceeded,
+    ResidencyError,
+    StoreError,
+    UnsupportedCompute,
+)
 
 from ._controller import LifecycleController
 from ._errors import (
@@ -24,6 +30,7 @@ from ._errors import (
     WeightUpdateWhileSleeping,
 )
 from ._events import configure_logging
+from ._hostbudget import HostBudgets
 from ._phase import Phase, mermaid
 from ._planner import InfeasibleBudget, ResidencyPlan
 from ._results import (
@@ -49,6 +56,8 @@ __all__ = [
     "DrainTimeout",
     "FSDPInferenceUnsupported",
     "GroupBroken",
+    "HostBudgetExceeded",
+    "HostBudgets",
     "InfeasibleBudget",
     "InvalidRequest",
     "LifecycleController",

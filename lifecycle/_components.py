@@ -36,6 +36,7 @@ from strategies.protocol import (
     PreparedMove,
     Shape,
     TensorStore,
+    Unit,
     build_strategy,
     needs_restore,
     prepare_regroup,
@@ -50,7 +51,8 @@ from ._phase import Phase
 from ._results import ComponentPlacement, PlacementReport
 from ._uses import Component
 
-__all__ = ["Components", "abandon", "adopt", "build", "prepare_placement", "prepare_release"]
+__all__ = ["Components", "abandon", "adopt", "attach_mirrors", "build", "prepare_placement",
+           "prepare_release"]
 
 _log = get_logger("lifecycle")
 
@@ -70,6 +72,7 @@ class Components(Mapping[str, Component]):
         self._controller_id = controller_id
         self._by_name: dict[str, Component] = {}
         self._enabled: list[nn.Module] = []  # modules layerwise offload was enabled on by us
+        self.budget_source = "none"  # how the host budgets were found (the report says it)
 
     def __getitem__(self, name: str) -> Component:
         return self._by_name[name]
@@ -121,19 +124,25 @@ class Components(Mapping[str, Component]):
             r = store.report()
             out[name] = ComponentPlacement(c.strategy.mode.value, r.device_bytes, r.host_bytes,
                                            r.pinned_bytes, store.nbytes, lora_bytes(name),
-                                           store.stale_count)
+                                           store.stale_count, r.file_backed_bytes,
+                                           store.pin_reason if r.host_bytes else "")
         return out
 
     def report(self, lora_bytes: Callable[[str], int], world_size: int, label: str | None
                ) -> PlacementReport:
         """The controller's ``report()``: :meth:`placements`, and the device's bytes."""
         reserved = self._layer.reserved()
+        ledger = self._layer.host
+        held = ledger.held()
         return PlacementReport(self._phase(), MappingProxyType(self.placements(lora_bytes)),
                                self._layer.memory_allocated(), self._rank(), world_size,
                                self._layer.peak_bytes, self._layer.allocator_peak(),
                                reserved_bytes=None if reserved is None else reserved[0],
                                reserved_peak_bytes=None if reserved is None else reserved[1],
-                               weight_version=label)
+                               weight_version=label, host_budget=ledger.host_budget,
+                               pin_budget=ledger.pin_budget, host_held_pinned=held.pinned,
+                               host_held_pageable=held.pageable, peak_host_bytes=ledger.peak,
+                               host_budget_source=self.budget_source)
 
     def check_forward(self, name: str) -> None:
         """Run before every forward of component ``name`` outside ``use()``: refuses one
@@ -334,6 +343,17 @@ def abandon(components: Iterable[Component], enabled: list[nn.Module]) -> None:
         c.strategy.close()
     for module in enabled:
         disable_layerwise_offload(module)
+
+
+def attach_mirrors(components: Iterable[Component]) -> list[tuple[Component, list[Unit]]]:
+    """The units attach gives a host mirror: those loaded on the host (adopted) and those
+    its placement leaves on the host."""
+    out = []
+    for c in components:
+        awake = {id(u) for u in c.strategy.awake_units()}
+        out.append((c, [u for u in c.strategy.store.units
+                        if u.where == "host" or id(u) not in awake]))
+    return out
 
 
 async def adopt(components: Iterable[Component]) -> int:

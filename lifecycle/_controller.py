@@ -31,7 +31,15 @@ from . import _events as events
 from . import _results as results
 from ._admission import Admission
 from ._checksum import ChecksumAlgorithm, Checksums
-from ._components import Components, abandon, adopt, build, prepare_placement, prepare_release
+from ._components import (
+    Components,
+    abandon,
+    adopt,
+    attach_mirrors,
+    build,
+    prepare_placement,
+    prepare_release,
+)
 from ._discard import Discard, resolve_discard, with_stale
 from ._errors import (
     NOT_INITIALIZED,
@@ -43,6 +51,9 @@ from ._errors import (
 )
 from ._events import get_logger
 from ._group import Collective, describe
+from ._hostbudget import derive_budgets
+from ._hostbudget import local_world_size as local_world_size_of
+from ._hosttiers import plan_mirrors
 from ._lora import LoraBases, plan_tensors
 from ._measure import Measurer, is_auto
 from ._phase import Phase, PhaseMachine, Refusal, Rule, refusal
@@ -81,8 +92,19 @@ class LifecycleController:
                  collective_timeout: float = 30.0,
                  device_budget: int | float | str | None = None,
                  activation_reserve: int | None = None,
-                 prefetch_headroom: int = 2**30, discard_on_release: Discard = None) -> None:
+                 prefetch_headroom: int = 2**30, discard_on_release: Discard = None,
+                 host_budget: int | float | str | None = None,
+                 pin_budget: int | float | str | None = None,
+                 local_world_size: int | None = None,
+                 host_reserve: int | None = None) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
+        # Host bytes this controller may hold, and the pinned part (lifecycle._hostbudget):
+        # bytes or a size are this rank's own; "auto" or "80%" are derived from the cgroup
+        # and /proc/meminfo and split between the ranks of this node.
+        self.host_budgets = derive_budgets(host_budget, pin_budget,
+                                           ranks=local_world_size_of(local_world_size),
+                                           reserve=host_reserve)
+        self._layer.host.set_budgets(self.host_budgets.host, self.host_budgets.pin)
         # With a process group every transition is collective (see lifecycle._group).
         self._ranks = Collective(process_group, collective_timeout, lambda: self.phase)
         # In every event of this controller (with ``rank``): tells controllers of one process
@@ -107,6 +129,7 @@ class LifecycleController:
         self._lock = anyio.Lock(fast_acquire=True)
         self._components = Components(self._layer, lambda: self.phase, lambda: self.rank,
                                       self.id)  # the attached ones
+        self._components.budget_source = self.host_budgets.source
         # Worker threads for planning, reading and hashing: the library's own, so that it
         # never takes the application's share of anyio's default limiter.
         self._threads = anyio.CapacityLimiter(2)
@@ -269,6 +292,7 @@ class LifecycleController:
             with events.bound(transition="attach", transition_id=next(_ids)):
                 t0 = time.perf_counter()
                 try:
+                    plan_mirrors(self._layer, attach_mirrors(components.values()), "attach")
                     with self._components.moving("attach"):
                         copied = await adopt(components.values()) + await self._transact(
                             "attach", functools.partial(prepare_placement, components.values()))
@@ -418,8 +442,14 @@ class LifecycleController:
         t0 = time.perf_counter()
         run = await Run.start(trigger, self._components, discard, self.progress, self.rank,
                               self.id)
+
+        async def prepare(moves: list[PreparedMove]) -> None:
+            # Refused before the first allocation when the new host copies do not fit.
+            plan_mirrors(self._layer, run.mirrors(), trigger)
+            await run.prepare(moves)
+
         with self._components.moving(trigger):
-            copied = await self._transact(trigger, run.prepare, land=False)  # landed by start
+            copied = await self._transact(trigger, prepare, land=False)  # landed by start
         self._machine.fire(trigger)
         if run.way.empty_cache:
             await self._release_cache()

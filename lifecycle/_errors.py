@@ -8,6 +8,8 @@
     │   (+ValueError)                   loaded (strategies)
     ├── UnsupportedCompute (+RuntimeError)  a forward under CUDA graph capture or on a
     │                                   non-default CUDA stream (strategies)
+    ├── HostBudgetExceeded (+MemoryError)  a move would pass the host budget: refused
+    │                                   before allocating, nothing changed (strategies)
     └── LifecycleError                  any refusal or failure of the lifecycle
         ├── TransitionRejected          refused before anything moved (trigger, phase, reason)
         │   ├── FSDPInferenceUnsupported  sleep/wake of an FSDP-managed pipeline (+RuntimeError)
@@ -42,7 +44,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from strategies import ResidencyError
+from strategies import HostBudgetExceeded, ResidencyError
 
 # Defined once, in strategies (its moves forget locals too); re-exported for the modules of
 # lifecycle that still import it from here.
@@ -279,11 +281,12 @@ class WeightSyncGroupBroken(WeightSyncError):
 def failures_roll_back(trigger: str, phase: Callable[[], Phase]) -> Iterator[None]:
     """The one error boundary of a move: an ``Exception`` raised inside (a failed copy or
     allocation, after the caller rolled back) leaves as :class:`TransitionFailed` chaining
-    it; the library's own errors and cancellation pass unchanged. ``phase`` is read when
-    the error passes (it is the phase the pipeline is still in)."""
+    it; the library's own errors and cancellation pass unchanged (a host budget's refusal
+    too: it names the numbers). ``phase`` is read when the error passes (it is the phase
+    the pipeline is still in)."""
     try:
         yield
-    except LifecycleError:
+    except (LifecycleError, HostBudgetExceeded):
         raise
     except Exception as exc:
         raise TransitionFailed(trigger, phase(), exc) from exc

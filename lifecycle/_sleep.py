@@ -105,6 +105,14 @@ class Run:
                 self.discarded.append(c.name)
             self._event(c.name, move, time.perf_counter() - m0)
 
+    def mirrors(self) -> list[tuple[Component, list[Unit]]]:
+        """The units whose bytes this run keeps in host mirrors (a sleep's, but for the
+        components it discards; a wake keeps none new)."""
+        if self.trigger != "sleep":
+            return []
+        return [(c, units) for c, units in self._plan
+                if c.name not in self._discard and not c.strategy.store.stale_count]
+
     def _copied(self, nbytes: int) -> None:
         self._done += nbytes
         if self._progress is not None:

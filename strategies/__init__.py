@@ -20,6 +20,7 @@ from ._cuda import CudaDevice
 from ._device import CopyHandle, CpuDevice, DeviceLayer, UnsupportedCompute, resolve_device
 from ._errors import ResidencyError, StoreError
 from ._factory import ComponentResidencyError, is_fsdp_managed
+from ._hostmem import HostBudgetExceeded
 from ._layers import make_device_layer
 from ._layerwise import (
     LayerwiseOffloadStrategy,
@@ -39,6 +40,7 @@ __all__ = [
     "CpuDevice",
     "CudaDevice",
     "DeviceLayer",
+    "HostBudgetExceeded",
     "LayerwiseOffloadStrategy",
     "LayerwiseTuning",
     "ResidencyConfig",

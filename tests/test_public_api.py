@@ -24,6 +24,7 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
         "AdmissionTimeout", "ComponentAsleep", "ComponentBusy", "ComponentNotPlaced",
         "ComponentPlacement",
         "ComponentResidencyError", "DrainTimeout", "FSDPInferenceUnsupported", "GroupBroken",
+        "HostBudgetExceeded", "HostBudgets",
         "LifecycleController", "LifecycleError", "OccupationResult", "Phase", "PlacementReport",
         "RankChecksums", "RanksDisagree", "ResidencyChange", "ResidencyPlan", "InfeasibleBudget",
         "ResidencyError", "StoreError", "SyncLifecycleController", "TransitionFailed",
@@ -45,6 +46,7 @@ STRATEGIES_API = {
     "enable_layerwise_offload", "disable_layerwise_offload", "is_layerwise_offloaded",
     "layerwise_blocks", "detect_block_lists",
     "DeviceLayer", "CpuDevice", "CudaDevice", "CopyHandle", "make_device_layer", "resolve_device",
+    "HostBudgetExceeded",
     "ResidencyError", "StoreError", "ComponentResidencyError", "UnsupportedCompute",
 }
 # strategies.protocol: the types of the strategy protocol and the moves the lifecycle drives
