@@ -213,6 +213,20 @@ class LifecycleController:
         """Where every component's bytes are right now."""
         return self._components.report(self._lora.nbytes, self.world_size, self._label)
 
+    def set_host_budget(self, host_budget: int | float | str | None,
+                        pin_budget: int | float | str | None = None, *,
+                        local_world_size: int | None = None,
+                        host_reserve: int | None = None) -> None:
+        """Hold the controller to new host and pin budgets from now on (what the constructor
+        takes). Nothing moves: host bytes held already stay, and a transition that would
+        add any past the new budget is refused."""
+        budgets = derive_budgets(host_budget, pin_budget,
+                                 ranks=local_world_size_of(local_world_size),
+                                 reserve=host_reserve)
+        self._layer.host.set_budgets(budgets.host, budgets.pin)
+        self.host_budgets = budgets
+        self._components.budget_source = budgets.source
+
     def reset_peak(self) -> None:
         """Start ``report().peak_device_bytes`` (and, on CUDA, the allocator's peaks of
         allocated and reserved bytes) again from the bytes held now."""
@@ -313,9 +327,11 @@ class LifecycleController:
             t0 = time.perf_counter()
             with events.bound(transition="detach", transition_id=next(_ids)):
                 self._components.warn_if_stale()
+                # Never refused for the host budget: the bytes go back to the caller's modules.
                 async with self._uses.drained("detach"):
-                    copied = await self._transact(
-                        "detach", functools.partial(prepare_release, self._components.values()))
+                    with self._layer.host.unbudgeted():
+                        copied = await self._transact("detach", functools.partial(
+                            prepare_release, self._components.values()))
                 self._components.release()
                 self._lora.clear()
                 self._machine.fire("detach")

@@ -17,9 +17,10 @@ Bytes count as they really occupy memory: a pinned buffer's footprint (rounded u
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,7 @@ class HostLedger:
         self.peak = 0  # most host bytes held at once
         self.refused = 0  # allocations refused for the host budget
         self.unpinned = 0  # buffers that wanted pinning and were made pageable
+        self.exempt = 0  # inside unbudgeted(): no refusal
 
     def set_budgets(self, host_budget: int | None, pin_budget: int | None) -> None:
         for name, value in (("host budget", host_budget), ("pin budget", pin_budget)):
@@ -117,8 +119,19 @@ class HostLedger:
         if wants_pinned and not pinned and nbytes:
             with self._lock:
                 self.unpinned += 1
-        self.check(self.cost(nbytes, pinned), f"a host buffer of {nbytes:,} bytes")
+        if not self.exempt:
+            self.check(self.cost(nbytes, pinned), "a host buffer")
         return pinned
+
+    @contextlib.contextmanager
+    def unbudgeted(self) -> Iterator[None]:
+        """Allocations inside are counted but never refused (a detach: it hands every byte
+        back to the caller's module, and refusing would leave them nowhere)."""
+        self.exempt += 1
+        try:
+            yield
+        finally:
+            self.exempt -= 1
 
     def track(self, buf: torch.Tensor, pinned: bool) -> None:
         """Count ``buf`` (just allocated) until its storage dies."""
