@@ -41,13 +41,15 @@ def _table(report: DrillReport) -> Any:
                                 f"pipeline {format_bytes(report.pipeline_bytes)}", title_justify="left")
     for col, just in (("step", "left"), ("", "left"), ("outcome", "left"), ("seconds", "right"),
                       ("moved", "right"), ("GB/s", "right"), ("device after", "right"),
-                      ("phase after", "left")):
+                      ("host pinned/pageable/file", "right"), ("phase after", "left")):
         table.add_column(col, justify=just)
     for o in report.outcomes:
         index = ".".join(re.findall(r"\[(\d+)\]", o.index))
         table.add_row(index, o.step, ("ok: " if o.ok else "FAILED: ") + o.message[:70],
                       f"{o.seconds:.4f}", format_bytes(o.bytes_moved) if o.bytes_moved else "-",
-                      f"{o.gbps:.2f}" if o.bytes_moved else "-", format_bytes(o.device_bytes), o.phase)
+                      f"{o.gbps:.2f}" if o.bytes_moved else "-", format_bytes(o.device_bytes),
+                      f"{format_bytes(o.pinned_bytes)}/{format_bytes(o.pageable_bytes)}/"
+                      f"{format_bytes(o.file_backed_bytes)}", o.phase)
     return table
 
 
@@ -84,7 +86,9 @@ def _drill(args: argparse.Namespace) -> int:
         try:
             report = anyio.run(lambda: run_drill(scenario, device=args.device, size=args.size,
                                                  residency=args.residency, on_step=on_step,
-                                                 on_progress=on_progress, budget=args.budget))
+                                                 on_progress=on_progress, budget=args.budget,
+                                                 host_budget=args.host_budget,
+                                                 pin_budget=args.pin_budget))
         except (ValueError, InfeasibleBudget) as exc:  # bad residency, budget, device or size
             print(f"residency drill: {exc}", file=sys.stderr)
             return 2
@@ -152,6 +156,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--residency", help="component residency, e.g. 'transformer=layerwise-offload'"
                                        ", or 'auto' (planned under --budget)")
     d.add_argument("--budget", help="device budget for --residency auto, e.g. 300MB or 50%%")
+    d.add_argument("--host-budget", help="host bytes the controller may hold ('8GiB', '50%%' "
+                                         "of what the cgroup and the machine leave, 'auto')")
+    d.add_argument("--pin-budget", help="page-locked host bytes (default: the host budget)")
     d.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles of the default drill")
     d.add_argument("--json", action="store_true", help="print the report as one JSON document")
     d.add_argument("--timeline", metavar="FILE.png", help="draw device/host bytes over time")

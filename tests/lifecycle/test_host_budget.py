@@ -148,7 +148,7 @@ async def test_a_discarding_sleep_needs_no_mirrors_and_fits_a_budget_of_what_is_
         make: Make) -> None:
     """Discarded components keep no host copy: a sleep discarding every resident one fits a
     budget of the bytes held already."""
-    ctl, pipe, _ = await make()
+    ctl, _, _ = await make()
     ctl.set_host_budget(ctl.report().host_held_bytes + 4096)
     assert (await ctl.sleep(discard="all")).success
     assert ctl.report().host_held_bytes <= 4096

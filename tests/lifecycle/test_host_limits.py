@@ -117,7 +117,7 @@ def test_derived_budget_is_the_smaller_headroom_less_a_reserve_split_per_rank(
     two = derive_budgets("auto", ranks=2, limits=limits, reserve=GiB)
     assert (one.host, one.pin) == (15 * GiB, 15 * GiB)
     assert (two.host, two.pin) == (15 * GiB // 2, 15 * GiB // 2)
-    assert 2 * two.host <= limits.headroom
+    assert two.host is not None and 2 * two.host <= limits.headroom
     assert two.source.startswith("derived: host budget auto of MemAvailable 32.00 GiB, "
                                  "cgroup /job limit 20.00 GiB")
 
