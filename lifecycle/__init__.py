@@ -1,6 +1,7 @@
 """The lifecycle of a model pipeline's weights: attach, sleep, wake, update, detach."""
 
 from strategies import (
+    CheckpointChanged,
     ComponentResidencyError,
     HostBudgetExceeded,
     ResidencyError,
@@ -11,6 +12,7 @@ from strategies import (
 from ._controller import LifecycleController
 from ._errors import (
     AdmissionTimeout,
+    CheckpointMismatch,
     ComponentAsleep,
     ComponentBusy,
     ComponentNotPlaced,
@@ -48,6 +50,8 @@ from ._sync import SyncLifecycleController
 
 __all__ = [
     "AdmissionTimeout",
+    "CheckpointChanged",
+    "CheckpointMismatch",
     "ComponentAsleep",
     "ComponentBusy",
     "ComponentNotPlaced",

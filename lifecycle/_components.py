@@ -20,6 +20,7 @@ import anyio
 from torch import nn
 
 from strategies import (
+    CheckpointChanged,
     ComponentResidencyError,
     DeviceLayer,
     ResidencyConfig,
@@ -39,6 +40,7 @@ from strategies.protocol import (
     Unit,
     build_strategy,
     needs_restore,
+    prepare_file_wake,
     prepare_regroup,
     prepare_restore,
 )
@@ -107,7 +109,7 @@ class Components(Mapping[str, Component]):
     def warn_if_stale(self) -> None:
         """Before a detach: warn naming the stale components, if any (it leaves their
         discarded tensors with undefined values)."""
-        stale = self.stale()
+        stale = self.stale()  # (file-backed ones are read back from their files)
         if stale:
             _log.warning(events.DETACH_STALE, components=stale, rank=self._rank(),
                          controller=self._controller_id)
@@ -124,7 +126,8 @@ class Components(Mapping[str, Component]):
             r = store.report()
             out[name] = ComponentPlacement(c.strategy.mode.value, r.device_bytes, r.host_bytes,
                                            r.pinned_bytes, store.nbytes, lora_bytes(name),
-                                           store.stale_count, r.file_backed_bytes,
+                                           0 if r.file_backed_bytes else store.stale_count,
+                                           r.file_backed_bytes,
                                            store.pin_reason if r.host_bytes else "")
         return out
 
@@ -380,6 +383,16 @@ async def prepare_release(components: Iterable[Component], moves: list[PreparedM
     """Every component's move to the host, its mirrors current (detach)."""
     for c in components:
         store = c.strategy.store
+        if store.file_backing is not None and store.file_backing.asleep:
+            # Asleep with its weights only in its files: read back into host buffers (a
+            # file that changed leaves them discarded, as a discarding sleep would).
+            try:
+                moves.append(await prepare_file_wake(store, []))
+                continue
+            except CheckpointChanged as exc:
+                _log.warning(events.DETACH_STALE, components={c.name: store.stale_count},
+                             reason=str(exc))
+                store.file_backing = None
         if needs_restore(store):
             # The module gets its own storages back (not views of our flat mirrors, not
             # pinned memory): as it came, so another tool (or another controller) can place

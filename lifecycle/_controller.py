@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from strategies import DeviceLayer, ResidencyConfig, ResidencyStrategy, make_device_layer
-from strategies.protocol import PreparedMove
+from strategies.protocol import PreparedMove, forget_files, record_files
 
 from . import _events as events
 from . import _results as results
@@ -50,6 +50,7 @@ from ._errors import (
     forget_locals,
 )
 from ._events import get_logger
+from ._filebacking import after_update, verify_checkpoint
 from ._group import Collective, describe
 from ._hostbudget import derive_budgets
 from ._hostbudget import local_world_size as local_world_size_of
@@ -227,6 +228,17 @@ class LifecycleController:
         self.host_budgets = budgets
         self._components.budget_source = budgets.source
 
+    def forget_checkpoint(self, components: Sequence[str] | None = None) -> None:
+        """Stop keeping ``components``' weights (all: None) in their checkpoint files: awake,
+        the next sleep keeps host copies again; asleep, the wake gives them places with their
+        weights discarded (stale until updated: the way out when a file changed)."""
+        for name in list(self._components) if components is None else list(components):
+            store = self._components.component(name).strategy.store
+            if store.file_backing is not None and store.file_backing.asleep:
+                store.file_backing = None  # the discarded sleep it is underneath remains
+            else:
+                forget_files(store)
+
     def reset_peak(self) -> None:
         """Start ``report().peak_device_bytes`` (and, on CUDA, the allocator's peaks of
         allocated and reserved bytes) again from the bytes held now."""
@@ -286,12 +298,18 @@ class LifecycleController:
         return await self._components.settle(moves)
 
     # -- attach / detach ---------------------------------------------------------------
-    async def attach(self, pipeline: Any) -> Phase:
+    async def attach(self, pipeline: Any, *,
+                     checkpoint: str | os.PathLike[str] | None = None) -> Phase:
         """Take the pipeline's components, build their strategies and place them for serving.
 
         Everything is validated before anything moves: the pipeline's shape, the residency
         configuration against the component names, every tensor (meta, sparse, foreign
-        device) and every component's mode (FSDP, layerwise)."""
+        device) and every component's mode (FSDP, layerwise).
+
+        ``checkpoint``: the safetensors files the weights were loaded from (laid out as
+        :meth:`update_weights_from_disk` reads them), checked byte for byte first
+        (:class:`CheckpointMismatch`): the components they cover keep no host copy while
+        asleep and are read back from them at wake (the file-backed tier)."""
         async with self._lock, self._ranks.section("attach"):
             self._refusal("attach")
             found = components_of(pipeline)
@@ -306,6 +324,9 @@ class LifecycleController:
             with events.bound(transition="attach", transition_id=next(_ids)):
                 t0 = time.perf_counter()
                 try:
+                    files = {} if checkpoint is None else await anyio.to_thread.run_sync(
+                        verify_checkpoint, {n: c.strategy.store for n, c in components.items()},
+                        checkpoint, limiter=self._threads)
                     plan_mirrors(self._layer, attach_mirrors(components.values()), "attach")
                     with self._components.moving("attach"):
                         copied = await adopt(components.values()) + await self._transact(
@@ -314,6 +335,8 @@ class LifecycleController:
                     abandon(components.values(), enabled)
                     raise
                 self._components.install(components, enabled)
+                for name, regions in files.items():
+                    record_files(components[name].strategy.store, regions)
                 self._machine.fire("attach")
                 self._summary("attach", Phase.UNINITIALIZED, copied, time.perf_counter() - t0)
             return self.phase
@@ -656,6 +679,7 @@ class LifecycleController:
         finally:
             self._machine.fire("end_update")
         self._version += 1
+        after_update(kind, plan, stores)  # written tensors: their files' bytes, or anonymous
         seconds = time.perf_counter() - t0
         if plan.casts:
             _log.info(events.UPDATE_CAST, tensors=len(plan.casts), casts=plan.casts[:16],

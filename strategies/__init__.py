@@ -20,6 +20,7 @@ from ._cuda import CudaDevice
 from ._device import CopyHandle, CpuDevice, DeviceLayer, UnsupportedCompute, resolve_device
 from ._errors import ResidencyError, StoreError
 from ._factory import ComponentResidencyError, is_fsdp_managed
+from ._filebacked import CheckpointChanged
 from ._hostmem import HostBudgetExceeded
 from ._layers import make_device_layer
 from ._layerwise import (
@@ -35,6 +36,7 @@ __all__ = [
     "DIT_GROUP",
     "RESIDENCY_POLICIES",
     "VAE_GROUP",
+    "CheckpointChanged",
     "ComponentResidencyError",
     "CopyHandle",
     "CpuDevice",

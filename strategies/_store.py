@@ -42,6 +42,7 @@ from ._write import WriteMove, WriteSource, cancel_refresh, land_refresh, prepar
 
 if TYPE_CHECKING:
     from ._discard import Discarded
+    from ._filebacked import FileBacking
 
 __all__ = ["CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreReport", "TensorStore"]
 
@@ -175,6 +176,9 @@ class TensorStore:
         # of the kind they are (the report says it).
         self.pageable_keys: set[str] = set()
         self.pin_reason = ""
+        # The checkpoint files its weights are the bytes of, if recorded (the file-backed
+        # tier: strategies._filebacked).
+        self.file_backing: FileBacking | None = None
         # (``layout``'s inventory is taken over, not the store: its buffers are not kept alive.)
         self._take(layout.inventory if layout is not None else None)
 
@@ -256,7 +260,10 @@ class TensorStore:
             slot.version = -1
 
     def mark_dirty(self) -> None:
-        """Declare every mirror stale (after writes that bypass the version counter)."""
+        """Declare every mirror stale (after writes that bypass the version counter); the
+        tensors are no longer their checkpoint files' bytes either."""
+        if self.file_backing is not None and not self.file_backing.asleep:
+            self.file_backing = None
         for u in self.units:
             if u.where == "device":
                 u.mirror_current = False
@@ -543,8 +550,9 @@ class TensorStore:
 
     def file_backed_bytes(self) -> int:
         """Bytes kept only in their checkpoint files while asleep (see
-        :mod:`strategies._filebacked`); 0 unless file-backed."""
-        return 0
+        :mod:`strategies._filebacked`); 0 unless asleep file-backed."""
+        backing = self.file_backing
+        return backing.nbytes() if backing is not None and backing.asleep else 0
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor once, under its first name, sorted by name."""
