@@ -316,7 +316,8 @@ class LifecycleController:
             if self._auto:
                 assert self.device_budget is not None
                 self.last_plan = await self._measurer.plan_at_attach(
-                    found, self.device_budget, int(self.activation_reserve or 0))
+                    found, self.device_budget, int(self.activation_reserve or 0),
+                    self.host_budgets.host)
                 self.config = self.last_plan.config
             self.config.validate_components(found)
             resolve_discard(self.discard_on_release, found, "discard_on_release")
@@ -395,7 +396,8 @@ class LifecycleController:
                    warmup: Callable[[], Awaitable[object]] | None = None, *,
                    uses: Sequence[str | tuple[str, float] | tuple[str, float, int]] | None = None,
                    activation_reserve: int | None = None,
-                   remeasure: bool = False) -> ResidencyPlan:
+                   remeasure: bool = False,
+                   host_budget: int | float | str | None = None) -> ResidencyPlan:
         """Propose the fastest residency whose predicted peak fits ``device_budget`` (bytes,
         ``"20GiB"``, or ``"90%"`` of the device's free memory; on the CPU, of the pipeline's
         size). Changes nothing: apply it with :meth:`set_residency`.
@@ -405,13 +407,17 @@ class LifecycleController:
         a request uses, in what order, how often and for how long; or ``uses``: that order
         declared (names, or ``(name, seconds[, forwards])``); neither: every component once,
         in attach order. Measurements are taken once and reused (``remeasure=True`` takes
-        them again), so plans for different budgets are comparable. Raises
-        :class:`InfeasibleBudget` when nothing fits."""
+        them again), so plans for different budgets are comparable. ``host_budget``: host
+        bytes the layout may hold while awake (the mirrors of what it offloads; default: the
+        controller's host budget). Raises :class:`InfeasibleBudget` naming the budget that
+        does not fit when nothing does."""
         if self.phase is Phase.UNINITIALIZED:
             raise TransitionRejected("plan", self.phase, NOT_INITIALIZED)
         reserve = activation_reserve if activation_reserve is not None else \
             self.activation_reserve
-        return await self._measurer.plan(device_budget, warmup, uses, reserve, remeasure)
+        host = self.host_budgets.host if host_budget is None else \
+            derive_budgets(host_budget, ranks=self.host_budgets.ranks).host
+        return await self._measurer.plan(device_budget, warmup, uses, reserve, remeasure, host)
 
     async def _set_residency(self, config: ResidencyConfig) -> ResidencyChange:
         if self.phase is Phase.UNINITIALIZED:
