@@ -190,6 +190,19 @@ class Components(Mapping[str, Component]):
             if stale is not None:
                 self.mirror_stale(c.name, stale)
 
+    def release_mirrors(self) -> int:
+        """Drop the host mirror of every unit on the device (after a committed wake: the
+        device bytes are the only copy until the next sleep copies them again; nothing can
+        fail). Returns the host bytes released."""
+        released = 0
+        for c in self._by_name.values():
+            store = c.strategy.store
+            for unit in store.units:
+                if unit.where == "device" and unit.host is not None:
+                    released += unit.nbytes
+                    store.drop_mirror(unit)
+        return released
+
     def mirror_stale(self, component: str, error: BaseException) -> None:
         """Report a mirror refresh that failed (the next sleep copies what it left)."""
         _log.warning(events.UPDATE_MIRROR_STALE, component=component,

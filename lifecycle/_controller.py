@@ -81,6 +81,15 @@ class LifecycleController:
     when available. ``residency``: a :class:`~strategies.ResidencyConfig` or anything
     :meth:`ResidencyConfig.parse` takes. ``device_layer`` replaces the device layer (tests
     inject faults through it).
+
+    Host memory (see docs/limits.md): ``host_budget`` caps every host byte the library holds
+    and ``pin_budget`` the page-locked part (bytes or ``"64GiB"``: this rank's own; ``"80%"``
+    or ``"auto"``: derived from the cgroup limits and ``/proc/meminfo``, less
+    ``host_reserve``, split between ``local_world_size`` ranks, default
+    ``$LOCAL_WORLD_SIZE``). A transition that would pass the host budget is refused before
+    it allocates (:class:`~strategies.HostBudgetExceeded`); mirrors past the pin budget are
+    pageable. ``release_mirrors_after_wake``: drop the mirrors of what is on the device after
+    each wake (the next sleep copies it again).
     """
 
     def __init__(self, device: str | torch.device | None = None, *,
@@ -97,7 +106,8 @@ class LifecycleController:
                  host_budget: int | float | str | None = None,
                  pin_budget: int | float | str | None = None,
                  local_world_size: int | None = None,
-                 host_reserve: int | None = None) -> None:
+                 host_reserve: int | None = None,
+                 release_mirrors_after_wake: bool = False) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
         # Host bytes this controller may hold, and the pinned part (lifecycle._hostbudget):
         # bytes or a size are this rank's own; "auto" or "80%" are derived from the cgroup
@@ -106,6 +116,9 @@ class LifecycleController:
                                            ranks=local_world_size_of(local_world_size),
                                            reserve=host_reserve)
         self._layer.host.set_budgets(self.host_budgets.host, self.host_budgets.pin)
+        # After each wake, drop the host mirrors of what is on the device again (hosts short
+        # of memory): the next sleep copies those bytes from the device again.
+        self.release_mirrors_after_wake = release_mirrors_after_wake
         # With a process group every transition is collective (see lifecycle._group).
         self._ranks = Collective(process_group, collective_timeout, lambda: self.phase)
         # In every event of this controller (with ``rank``): tells controllers of one process
@@ -496,6 +509,8 @@ class LifecycleController:
         with self._components.moving(trigger):
             copied = await self._transact(trigger, prepare, land=False)  # landed by start
         self._machine.fire(trigger)
+        if trigger == "wake" and self.release_mirrors_after_wake:
+            self._components.release_mirrors()
         if run.way.empty_cache:
             await self._release_cache()
         seconds = time.perf_counter() - t0

@@ -2,7 +2,7 @@
 
     residency serve [--host 127.0.0.1] [--port 30000] [--pipeline demo|MODULE:FACTORY]
         [--size 64MB] [--residency ... | --device-budget 20GiB] [--device cpu|cuda|cuda:N]
-        [--host-budget 64GiB|80%|auto] [--pin-budget 16GiB|auto]
+        [--host-budget 64GiB|80%|auto] [--pin-budget 16GiB|auto] [--checkpoint DIR]
         [--api-key KEY]
         [--auto-wake] [--drain-timeout S] [--log-json] [--discard-on-release all|NAMES]
         [--header-timeout S] [--body-timeout S] [--max-connections N] [--fd-timeout S]
@@ -25,7 +25,9 @@ refused before it allocates (HostBudgetExceeded, 507), nothing changed. A size i
 with ``--nproc N`` each rank gets 1/N; a percentage or ``auto`` is of what the process's
 cgroups and ``/proc/meminfo`` leave (``auto``: less a reserve), split between the node's
 ranks (``LOCAL_WORLD_SIZE``). ``--pin-budget`` caps the page-locked part (default: the host
-budget); mirrors past it are pageable.
+budget); mirrors past it are pageable. ``--checkpoint DIR``: the safetensors files the
+pipeline's weights were loaded from (``DIR/<component>/*.safetensors``), checked at start:
+the components they cover keep no host copy while released and are read back at resume.
 
 An empty ``--api-key`` (or ``RESIDENCY_API_KEY``) is bad usage (it would admit an empty token);
 binding an address other than loopback without a key prints a warning. Slow clients are bounded
@@ -44,7 +46,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from lifecycle import InfeasibleBudget, LifecycleController, configure_logging
+from lifecycle import CheckpointMismatch, InfeasibleBudget, LifecycleController, configure_logging
 from lifecycle._discard import resolve_discard
 from lifecycle._hostbudget import HostLimits, derive_budgets, local_world_size
 from lifecycle._pipeline import components_of
@@ -72,6 +74,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pin-budget", type=_budget,
                     help="page-locked host bytes on this node (same syntax; default: the host "
                          "budget); mirrors past it are pageable")
+    ap.add_argument("--checkpoint", metavar="DIR",
+                    help="the safetensors files the weights were loaded from "
+                         "(DIR/<component>/*.safetensors): while released, the components "
+                         "they cover hold no host copy and are read back at resume")
     ap.add_argument("--api-key", default=os.environ.get("RESIDENCY_API_KEY"),
                     help="require 'Authorization: Bearer KEY' (default $RESIDENCY_API_KEY)")
     ap.add_argument("--auto-wake", action="store_true",
@@ -251,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"residency serve: {exc}", file=sys.stderr)
         return 2
     configure_logging(json=args.log_json, level="info")
+    checkpoint = getattr(args, "checkpoint", None)
     driver = None
     if world > 1:
         from lifecycle.http._driver import LocalDriver
@@ -261,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         local = LocalDriver(ctl, generate)
         if rank != 0:
             async def serve_rank() -> None:
-                await ctl.attach(pipe)  # collective: with rank 0's startup
+                await ctl.attach(pipe, checkpoint=checkpoint)  # collective: with rank 0's
                 await follow(ctl, local, channel)
 
             import anyio
@@ -288,8 +295,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def startup() -> None:
         try:
-            await ctl.attach(pipe)
-        except InfeasibleBudget as exc:  # --device-budget too small: bad usage, say why
+            await ctl.attach(pipe, checkpoint=checkpoint)
+        except (InfeasibleBudget, CheckpointMismatch) as exc:  # bad usage, say why
             refused.append(str(exc))
             raise
         if driver is not None:  # ready when every rank answers, not when this one is

@@ -9,7 +9,7 @@ from contextlib import AsyncExitStack
 import pytest
 import torch
 
-from lifecycle import HostBudgetExceeded, LifecycleController, Phase
+from lifecycle import HostBudgetExceeded, LifecycleController, Phase, TransitionFailed
 from lifecycle.demo import DemoPipeline
 from lifecycle.testing import FaultyDevice
 from strategies import DeviceLayer
@@ -176,4 +176,27 @@ async def test_pins_go_to_streamed_layers_first_and_the_rest_stays_pageable(
                                           "often"
     assert report.pin_left == 4096
     assert (await ctl.sleep()).success and (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+async def test_released_mirrors_after_wake_are_copied_again_by_the_next_sleep(
+        make: Make) -> None:
+    """With release_mirrors_after_wake the wake leaves only the offloaded VAE's mirror on
+    the host; the next sleep copies every resident byte from the device again (a fault at
+    its first mirror allocation rolls it back, still awake and exact), then wakes exact."""
+    layer = FaultyDevice()
+    ctl, pipe, expected = await make("vae=component-offload", layer=layer,
+                                     release_mirrors_after_wake=True)
+    assert (await ctl.sleep()).success and (await ctl.wake()).success
+    report = ctl.report()
+    vae = report.components["vae"]
+    assert report.host_bytes == vae.host_bytes == vae.total_bytes
+    layer.arm(alloc_at=1)
+    with pytest.raises(TransitionFailed):
+        await ctl.sleep()
+    assert ctl.phase is Phase.AWAKE and ctl.report() == report
+    assert torch.equal(await output(ctl, pipe), expected)
+    slept = await ctl.sleep()
+    assert slept.bytes_moved == report.device_bytes
+    assert (await ctl.wake()).success
     assert torch.equal(await output(ctl, pipe), expected)
