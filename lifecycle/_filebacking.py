@@ -6,6 +6,7 @@ records what it read), and what every other update forgets (see
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Mapping
 
@@ -23,6 +24,27 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
+def _read(region: FileRegion) -> torch.Tensor:
+    """A region's bytes read into a fresh buffer with ``preadv`` (not through a mapping of
+    the file, whose pages would count in the process's resident memory)."""
+    buf = torch.empty(region.nbytes, dtype=torch.uint8)
+    if not region.nbytes:
+        return buf
+    view = memoryview((ctypes.c_char * region.nbytes).from_address(buf.data_ptr())).cast("B")
+    fd = os.open(region.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < region.nbytes:
+            n = os.preadv(fd, [view[done:]], region.offset + done)
+            if not n:
+                raise CheckpointMismatch(region.path, f"the file ends before byte "
+                                         f"{region.offset + done}")
+            done += n
+    finally:
+        os.close(fd)
+    return buf
+
+
 def verify_checkpoint(stores: Mapping[str, TensorStore], path: str | os.PathLike[str]
                       ) -> dict[str, dict[str, FileRegion]]:
     """``{component: {tensor: region}}`` of checkpoint ``path`` (laid out as
@@ -38,7 +60,9 @@ def verify_checkpoint(stores: Mapping[str, TensorStore], path: str | os.PathLike
         for w in plan.writes:
             live = stores[w.component].tensor_named(w.name)
             assert live is not None  # (the plan checked the names, shapes and dtypes)
-            if not torch.equal(_bytes(w.load()), _bytes(live)):
+            direct = w.region is not None and hasattr(os, "preadv")
+            got = _read(w.region) if direct and w.region is not None else _bytes(w.load())
+            if not torch.equal(got, _bytes(live)):
                 raise CheckpointMismatch(str(path), f"tensor {w.name!r} of component "
                                          f"{w.component!r} differs from the file's",
                                          w.component, w.name)
