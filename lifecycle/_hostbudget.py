@@ -14,13 +14,13 @@ tests run against fake trees and files, never the machine's.
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._units import format_bytes, parse_size
+from ._planner import parse_budget
+from ._units import format_bytes
 
 __all__ = ["HostBudgets", "HostLimits", "derive_budgets", "local_world_size",
            "read_cgroup", "read_limits", "read_meminfo"]
@@ -206,33 +206,17 @@ class HostBudgets:
 Spec = int | float | str | None
 
 
-def _share(text: str, what: str) -> float | None:
-    if not text.endswith("%"):
-        return None
-    try:
-        share = float(text[:-1])
-    except ValueError:
-        raise ValueError(f"invalid {what} {text!r}; a percentage looks like '90%'") from None
-    if not math.isfinite(share) or not 0 < share <= 100:
-        raise ValueError(f"{what} {text!r}: the percentage must be in (0, 100]")
-    return share
-
-
 def _explicit(spec: Spec, what: str) -> int | str | None:
-    """Bytes of an explicit budget, None for none, or the text left to derive."""
+    """Bytes of an explicit budget, None for none, or the text left to derive (``"auto"``,
+    a percentage: checked now)."""
     if spec is None:
         return None
-    if isinstance(spec, bool) or not isinstance(spec, int | float | str):
-        raise TypeError(f"{what} must be bytes, a size string, a percentage or 'auto', "
-                        f"got {type(spec).__name__}")
-    if isinstance(spec, int | float):
-        if not math.isfinite(spec) or spec < 0:
-            raise ValueError(f"{what} must be a non-negative number of bytes, got {spec}")
-        return int(spec)
-    text = spec.strip().lower()
-    if text == "auto" or text.endswith("%"):
+    if isinstance(spec, str) and (spec.strip().lower() == "auto" or spec.strip().endswith("%")):
+        text = spec.strip().lower()
+        if text != "auto":
+            parse_budget(text, free_bytes=1, pipeline_bytes=1, what=what)
         return text
-    return parse_size(text)
+    return parse_budget(spec, free_bytes=None, pipeline_bytes=0, what=what)
 
 
 def derive_budgets(host: Spec, pin: Spec = None, *, ranks: int = 1,
@@ -259,9 +243,8 @@ def derive_budgets(host: Spec, pin: Spec = None, *, ranks: int = 1,
                 return value // ranks
             return value
         lim = read()
-        share = _share(value, what)
-        if share is not None:
-            whole = int(lim.headroom * share / 100)
+        if value != "auto":
+            whole = parse_budget(value, free_bytes=lim.headroom, pipeline_bytes=0, what=what)
         else:
             keep = reserve if reserve is not None else int(min(
                 RESERVE_MAX, max(RESERVE_MIN, lim.headroom * RESERVE_SHARE)))

@@ -98,26 +98,27 @@ class InfeasibleBudget(LifecycleError):
         self.layout = layout
 
 
-def parse_budget(budget: int | float | str, *, free_bytes: int | None, pipeline_bytes: int) -> int:
+def parse_budget(budget: int | float | str, *, free_bytes: int | None, pipeline_bytes: int,
+                 what: str = "device budget") -> int:
     """Bytes of a budget given as bytes, a size string (``"20GiB"``, ``"300MB"``) or a
     percentage (``"90%"``) of the device's free memory (``free_bytes``; where that is
-    unknown, as on the CPU, of the pipeline's size)."""
+    unknown, as on the CPU, of the pipeline's size). ``what``: its name in errors."""
     if isinstance(budget, bool) or not isinstance(budget, int | float | str):
-        raise TypeError(f"device budget must be bytes, a size string or a percentage, "
+        raise TypeError(f"{what} must be bytes, a size string or a percentage, "
                         f"got {type(budget).__name__}")
     if isinstance(budget, int | float):
         if not math.isfinite(budget) or budget < 0:
-            raise ValueError(f"device budget must be a non-negative number of bytes, got {budget}")
+            raise ValueError(f"{what} must be a non-negative number of bytes, got {budget}")
         return int(budget)
     text = budget.strip()
     if text.endswith("%"):
         try:
             share = float(text[:-1])
         except ValueError:
-            raise ValueError(f"invalid device budget {budget!r}; a percentage looks like "
+            raise ValueError(f"invalid {what} {budget!r}; a percentage looks like "
                              "'90%'") from None
         if not math.isfinite(share) or not 0 < share <= 100:
-            raise ValueError(f"device budget {budget!r}: the percentage must be in (0, 100]")
+            raise ValueError(f"{what} {budget!r}: the percentage must be in (0, 100]")
         whole = free_bytes if free_bytes is not None else pipeline_bytes
         return int(whole * share / 100)
     return parse_size(text)

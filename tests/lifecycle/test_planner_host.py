@@ -21,6 +21,7 @@ from lifecycle._planner import (
 from lifecycle.cli import main
 from lifecycle.demo import DemoPipeline
 from lifecycle.testing import FaultyDevice
+from tests.lifecycle.test_planner import _exhaustive
 
 LAYERS = (100, 100, 100, 100)
 
@@ -33,19 +34,6 @@ def measurements() -> Measurements:
     return Measurements(sizes, uses, bandwidth=1000.0, other_seconds=0.01)
 
 
-def exhaustive(m: Measurements, budget: int, host_budget: int) -> float:
-    """The fastest layout's seconds by brute force over the whole decision space."""
-    names = [s.name for s in m.sizes]
-    options = [options_for(s, [u for u in m.uses if u.name == s.name], m.bandwidth)
-               for s in m.sizes]
-    best = float("inf")
-    for combo in itertools.product(*options):
-        layout = dict(zip(names, combo, strict=True))
-        if predict(layout, m.uses) <= budget and sum(o.host for o in combo) <= host_budget:
-            best = min(best, sum(o.seconds for o in combo))
-    return best + m.other_seconds
-
-
 @pytest.mark.parametrize("host_budget", [0, 150, 300, 520, 2000])
 def test_the_plan_is_the_fastest_layout_within_both_budgets(host_budget: int) -> None:
     """Under a device budget of 700 bytes and each host budget, the plan's host bytes fit,
@@ -54,11 +42,11 @@ def test_the_plan_is_the_fastest_layout_within_both_budgets(host_budget: int) ->
     try:
         plan = make_plan(m, 700, planner_started=time.perf_counter(), host_budget=host_budget)
     except InfeasibleBudget as exc:
-        assert exc.budget == "host" and exhaustive(m, 700, host_budget) == float("inf")
+        assert exc.budget == "host" and _exhaustive(m, 700, host_budget) == float("inf")
         return
     assert plan.predicted_host_bytes <= host_budget
     assert plan.host_budget_bytes == host_budget
-    assert plan.predicted_seconds == pytest.approx(exhaustive(m, 700, host_budget))
+    assert plan.predicted_seconds == pytest.approx(_exhaustive(m, 700, host_budget))
 
 
 def test_a_host_budget_that_no_device_feasible_layout_fits_is_named() -> None:
