@@ -200,3 +200,23 @@ async def test_released_mirrors_after_wake_are_copied_again_by_the_next_sleep(
     assert slept.bytes_moved == report.device_bytes
     assert (await ctl.wake()).success
     assert torch.equal(await output(ctl, pipe), expected)
+
+
+async def test_the_drill_reports_host_bytes_by_kind_and_its_budgets() -> None:
+    """A drill under a host budget gives the budgets and each step's host bytes by kind
+    (asleep: every byte a mirror, pinned only where the layer pins)."""
+    from lifecycle.cli.drills import default_scenario, run_drill
+    from strategies._layers import cpu_layer_kind
+
+    report = await run_drill(default_scenario(cycles=1), size="1MB", host_budget="64MB",
+                             pin_budget="32MB")
+    assert report.passed, report.failures
+    assert (report.host_budget, report.pin_budget) == (64_000_000, 32_000_000)
+    asleep = [o for o in report.outcomes if o.phase == "sleeping"]
+    assert asleep and all(o.host_bytes > 0 for o in asleep)
+    if cpu_layer_kind() == "cuda-sim":  # pinned within the pin budget: footprints, by page
+        assert all(o.pinned_bytes >= o.host_bytes and o.pageable_bytes == 0 for o in asleep)
+    else:
+        assert all((o.pinned_bytes, o.pageable_bytes) == (0, o.host_bytes) for o in asleep)
+    assert report.as_dict()["host_budget"] == 64_000_000
+    assert report.peak_host_bytes >= max(o.host_bytes for o in asleep)
