@@ -72,7 +72,7 @@ class HostLedger:
         self._pageable = 0
         self.peak = 0  # most host bytes held at once
         self.refused = 0  # allocations refused for the host budget
-        self.unpinned = 0  # buffers that wanted pinning and were made pageable
+        self.unpinned = 0  # buffers that asked for pinning here and were made pageable
         self.exempt = 0  # inside unbudgeted(): no refusal
 
     def set_budgets(self, host_budget: int | None, pin_budget: int | None) -> None:

@@ -220,3 +220,21 @@ async def test_the_drill_reports_host_bytes_by_kind_and_its_budgets() -> None:
         assert all((o.pinned_bytes, o.pageable_bytes) == (0, o.host_bytes) for o in asleep)
     assert report.as_dict()["host_budget"] == 64_000_000
     assert report.peak_host_bytes >= max(o.host_bytes for o in asleep)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_with_no_pin_budget_every_mirror_is_pageable_and_staged_bit_exact(
+        make: Make, mode: str) -> None:
+    """On the CUDA layer (over a simulated GPU) a pin budget of 0 makes every mirror
+    pageable: nothing is pinned, and sleep and wake (staged through the layer's pinned
+    buffers) give back the same output."""
+    from strategies._testing import sim_cuda_layer
+
+    ctl, pipe, expected = await make(f"transformer={mode}", layer=sim_cuda_layer(),
+                                     pin_budget=0)
+    assert (await ctl.sleep()).success
+    report = ctl.report()
+    assert (report.pinned_bytes, report.host_held_pinned) == (0, 0)
+    assert report.pageable_bytes == report.host_bytes > 0
+    assert (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
