@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from strategies import DeviceLayer, ResidencyConfig, ResidencyStrategy, make_device_layer
-from strategies.protocol import PreparedMove, forget_files, record_files
+from strategies.protocol import PreparedMove, forget_files, host_backup_bytes, record_files
 
 from . import _events as events
 from . import _results as results
@@ -685,6 +685,9 @@ class LifecycleController:
         stores = self._components.stores()
 
         async def prepare(moves: list[PreparedMove]) -> None:
+            # Refused before the first write when its backups do not fit the host budget.
+            self._layer.host.check(sum(host_backup_bytes(stores[n], plan.sources(n))
+                                       for n in plan.components), kind)
             await plan.write(stores, moves, self._threads)
             bases = await self._lora.prepare_commit(plan, stores, self._threads)
             if bases is not None:

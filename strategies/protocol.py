@@ -29,7 +29,7 @@ from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._regroup import RegroupMove, RestoreMove, needs_restore, prepare_regroup, prepare_restore
 from ._resident import ResidentStrategy
 from ._store import Move, PreparedMove, StoreReport, TensorStore
-from ._write import WriteMove, WriteSource
+from ._write import WriteMove, WriteSource, host_backup_bytes
 
 __all__ = [
     "ComponentOffloadStrategy",
@@ -57,6 +57,7 @@ __all__ = [
     "covered",
     "forget_files",
     "forget_locals",
+    "host_backup_bytes",
     "needs_restore",
     "prepare_discard",
     "prepare_file_sleep",

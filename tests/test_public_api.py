@@ -63,7 +63,7 @@ PROTOCOL_API = {
     "RegroupMove", "prepare_regroup", "RestoreMove", "prepare_restore", "needs_restore",
     "DiscardMove", "UndiscardMove", "prepare_discard", "prepare_undiscard",
     "FileSleepMove", "FileWakeMove", "prepare_file_sleep", "prepare_file_wake", "record_files",
-    "forget_files", "covered",
+    "forget_files", "covered", "host_backup_bytes",
 }
 
 

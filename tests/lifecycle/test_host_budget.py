@@ -132,13 +132,16 @@ async def test_a_residency_change_past_the_budget_is_refused_and_rolled_back(
 
 async def test_an_update_past_the_budget_is_refused_and_every_tensor_kept(make: Make) -> None:
     """Writing an offloaded component's host tensors needs host backups: past the budget the
-    update raises HostBudgetExceeded and every tensor keeps its value."""
+    update raises HostBudgetExceeded naming their bytes before allocating any, and every
+    tensor keeps its value."""
     ctl, pipe, expected = await make("transformer=component-offload")
     ctl.set_host_budget(ctl.report().host_held_bytes)
-    before = state(pipe)
+    before, allocations = state(pipe), ctl.device_layer.host_allocations
     name, value = next(iter(pipe.modules["transformer"].state_dict().items()))
-    with pytest.raises(HostBudgetExceeded):
+    with pytest.raises(HostBudgetExceeded) as info:
         await ctl.update_weights_from_tensors([(name, torch.zeros_like(value))], "transformer")
+    assert (info.value.what, info.value.needed) == ("update_from_tensors", int(value.nbytes))
+    assert ctl.device_layer.host_allocations == allocations
     assert same(state(pipe), before) and ctl.weights_version == 0
     assert ctl.phase is Phase.AWAKE
     assert torch.equal(await output(ctl, pipe), expected)
