@@ -56,6 +56,13 @@ class HostHeld:
         return self.pinned + self.pageable
 
 
+class _Death(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a counted host buffer's storage that knows its key."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 class HostLedger:
     """The host buffers of one device layer, live, by kind; the budgets they are held to.
     ``footprint``: the bytes a pinned buffer of n bytes really locks."""
@@ -65,9 +72,13 @@ class HostLedger:
         self.host_budget: int | None = None
         self.pin_budget: int | None = None
         self._lock = threading.Lock()
-        # id(storage) -> (footprint, pinned), while the storage lives
+        # id(storage) -> (footprint, pinned), while the storage lives. A death only appends
+        # its weak reference to ``_dead`` (a C-level append: it may happen inside the cyclic
+        # collector, in any thread, even while this ledger's lock is held), drained under
+        # the lock before every read and every new count.
         self._live: dict[int, tuple[int, bool]] = {}
-        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._refs: dict[int, _Death] = {}
+        self._dead: list[_Death] = []
         self._pinned = 0
         self._pageable = 0
         self.peak = 0  # most host bytes held at once
@@ -82,8 +93,23 @@ class HostLedger:
                                  f"got {value!r}")
         self.host_budget, self.pin_budget = host_budget, pin_budget
 
+    def _drain(self) -> None:
+        """Uncount the buffers that died since (under ``_lock``)."""
+        dead = self._dead
+        while dead:
+            death = dead.pop()
+            if self._refs.get(death.key) is not death:
+                continue  # (its id is a newer buffer's now: that one stays counted)
+            del self._refs[death.key]
+            cost, pinned = self._live.pop(death.key)
+            if pinned:
+                self._pinned -= cost
+            else:
+                self._pageable -= cost
+
     def held(self) -> HostHeld:
         with self._lock:
+            self._drain()
             return HostHeld(self._pinned, self._pageable)
 
     def cost(self, nbytes: int, pinned: bool) -> int:
@@ -98,6 +124,7 @@ class HostLedger:
         if self.pin_budget is None:
             return True
         with self._lock:
+            self._drain()
             return self._pinned + pinned_extra + self._footprint(nbytes) <= self.pin_budget
 
     def check(self, needed: int, what: str) -> None:
@@ -106,10 +133,11 @@ class HostLedger:
         if budget is None or needed <= 0:
             return
         with self._lock:
+            self._drain()
             held = self._pinned + self._pageable
-        if held + needed > budget:
-            with self._lock:
-                self.refused += 1
+            over = held + needed > budget
+            self.refused += over
+        if over:
             raise HostBudgetExceeded(needed, held, budget, what)
 
     def admit(self, nbytes: int, wants_pinned: bool) -> bool:
@@ -138,28 +166,20 @@ class HostLedger:
         storage = buf.untyped_storage()
         key = id(storage)
         cost = self.cost(int(storage.nbytes()), pinned)
+        death = _Death(storage, self._dead.append)
+        death.key = key
         with self._lock:
+            self._drain()  # first: a buffer that died may have had this id
             self._live[key] = (cost, pinned)
             if pinned:
                 self._pinned += cost
             else:
                 self._pageable += cost
             self.peak = max(self.peak, self._pinned + self._pageable)
-            self._refs[key] = weakref.ref(storage, lambda _, key=key: self._died(key))  # type: ignore[misc]
-
-    def _died(self, key: int) -> None:
-        with self._lock:
-            self._refs.pop(key, None)
-            found = self._live.pop(key, None)
-            if found is None:
-                return
-            cost, pinned = found
-            if pinned:
-                self._pinned -= cost
-            else:
-                self._pageable -= cost
+            self._refs[key] = death
 
     def kind(self, buf: torch.Tensor) -> tuple[int, bool] | None:
         """``(footprint, pinned)`` of a host buffer this ledger counts (None: not one)."""
         with self._lock:
+            self._drain()
             return self._live.get(id(buf.untyped_storage()))
