@@ -40,7 +40,8 @@ def test_a_release_past_the_host_budget_is_507_and_state_and_metrics_show_the_bu
         host = state["host"]
         assert (host["host_budget"], host["host_left"], host["source"]) == (held, 0, "explicit")
         assert host["held_pinned_bytes"] + host["held_pageable_bytes"] == held
-        assert state["components"]["vae"]["host_bytes"] == held
+        vae = state["components"]["vae"]
+        assert vae["pinned_bytes"] + vae["pageable_bytes"] == held  # footprints, by kind
         metrics = served.client.get("/metrics").text
         assert gauges(metrics, "residency_host_budget_bytes")["host"] == held
         assert gauges(metrics, "residency_host_left_bytes")["host"] == 0
