@@ -1,10 +1,18 @@
 """The lifecycle of a model pipeline's weights: attach, sleep, wake, update, detach."""
 
-from strategies import ComponentResidencyError, ResidencyError, StoreError, UnsupportedCompute
+from strategies import (
+    CheckpointChanged,
+    ComponentResidencyError,
+    HostBudgetExceeded,
+    ResidencyError,
+    StoreError,
+    UnsupportedCompute,
+)
 
 from ._controller import LifecycleController
 from ._errors import (
     AdmissionTimeout,
+    CheckpointMismatch,
     ComponentAsleep,
     ComponentBusy,
     ComponentNotPlaced,
@@ -24,6 +32,7 @@ from ._errors import (
     WeightUpdateWhileSleeping,
 )
 from ._events import configure_logging
+from ._hostbudget import HostBudgets
 from ._phase import Phase, mermaid
 from ._planner import InfeasibleBudget, ResidencyPlan
 from ._results import (
@@ -41,6 +50,8 @@ from ._sync import SyncLifecycleController
 
 __all__ = [
     "AdmissionTimeout",
+    "CheckpointChanged",
+    "CheckpointMismatch",
     "ComponentAsleep",
     "ComponentBusy",
     "ComponentNotPlaced",
@@ -49,6 +60,8 @@ __all__ = [
     "DrainTimeout",
     "FSDPInferenceUnsupported",
     "GroupBroken",
+    "HostBudgetExceeded",
+    "HostBudgets",
     "InfeasibleBudget",
     "InvalidRequest",
     "LifecycleController",

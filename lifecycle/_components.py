@@ -21,6 +21,7 @@ import anyio
 from torch import nn
 
 from strategies import (
+    CheckpointChanged,
     ComponentResidencyError,
     DeviceLayer,
     ResidencyConfig,
@@ -37,8 +38,10 @@ from strategies.protocol import (
     PreparedMove,
     Shape,
     TensorStore,
+    Unit,
     build_strategy,
     needs_restore,
+    prepare_file_wake,
     prepare_regroup,
     prepare_restore,
 )
@@ -59,8 +62,8 @@ from ._phase import Phase
 from ._results import ComponentPlacement, PlacementReport
 from ._uses import Component
 
-__all__ = ["Components", "abandon", "adopt", "build", "prepare_placement", "prepare_release",
-           "refuse_managed"]
+__all__ = ["Components", "abandon", "adopt", "attach_mirrors", "build", "prepare_placement",
+           "prepare_release", "refuse_managed"]
 
 _log = get_logger("lifecycle")
 
@@ -100,6 +103,7 @@ class Components(Mapping[str, Component]):
         self._controller_id = controller_id
         self._by_name: dict[str, Component] = {}
         self._enabled: list[nn.Module] = []  # modules layerwise offload was enabled on by us
+        self.budget_source = "none"  # how the host budgets were found (the report says it)
 
     def __getitem__(self, name: str) -> Component:
         return self._by_name[name]
@@ -133,7 +137,7 @@ class Components(Mapping[str, Component]):
     def warn_if_stale(self) -> None:
         """Before a detach: warn naming the stale components, if any (it leaves their
         discarded tensors with undefined values)."""
-        stale = self.stale()
+        stale = self.stale()  # (file-backed ones are read back from their files)
         if stale:
             _log.warning(events.DETACH_STALE, components=stale, rank=self._rank(),
                          controller=self._controller_id)
@@ -150,19 +154,26 @@ class Components(Mapping[str, Component]):
             r = store.report()
             out[name] = ComponentPlacement(c.strategy.mode.value, r.device_bytes, r.host_bytes,
                                            r.pinned_bytes, store.nbytes, lora_bytes(name),
-                                           store.stale_count)
+                                           0 if r.file_backed_bytes else store.stale_count,
+                                           r.file_backed_bytes,
+                                           store.pin_reason if r.host_bytes else "")
         return out
 
     def report(self, lora_bytes: Callable[[str], int], world_size: int, label: str | None
                ) -> PlacementReport:
         """The controller's ``report()``: :meth:`placements`, and the device's bytes."""
         reserved = self._layer.reserved()
+        ledger = self._layer.host
+        held = ledger.held()
         return PlacementReport(self._phase(), MappingProxyType(self.placements(lora_bytes)),
                                self._layer.memory_allocated(), self._rank(), world_size,
                                self._layer.peak_bytes, self._layer.allocator_peak(),
                                reserved_bytes=None if reserved is None else reserved[0],
                                reserved_peak_bytes=None if reserved is None else reserved[1],
-                               weight_version=label)
+                               weight_version=label, host_budget=ledger.host_budget,
+                               pin_budget=ledger.pin_budget, host_held_pinned=held.pinned,
+                               host_held_pageable=held.pageable, peak_host_bytes=ledger.peak,
+                               host_budget_source=self.budget_source)
 
     def check_forward(self, name: str) -> None:
         """Run before every forward of component ``name`` outside ``use()``: refuses one
@@ -208,6 +219,19 @@ class Components(Mapping[str, Component]):
             stale = await store.land_refresh()
             if stale is not None:
                 self.mirror_stale(c.name, stale)
+
+    def release_mirrors(self) -> int:
+        """Drop the host mirror of every unit on the device (after a committed wake: the
+        device bytes are the only copy until the next sleep copies them again; nothing can
+        fail). Returns the host bytes released."""
+        released = 0
+        for c in self._by_name.values():
+            store = c.strategy.store
+            for unit in store.units:
+                if unit.where == "device" and unit.host is not None:
+                    released += unit.nbytes
+                    store.drop_mirror(unit)
+        return released
 
     def mirror_stale(self, component: str, error: BaseException) -> None:
         """Report a mirror refresh that failed (the next sleep copies what it left)."""
@@ -457,6 +481,17 @@ def abandon(components: Iterable[Component], enabled: list[nn.Module]) -> None:
         disable_layerwise_offload(module)
 
 
+def attach_mirrors(components: Iterable[Component]) -> list[tuple[Component, list[Unit]]]:
+    """The units attach gives a host mirror: those loaded on the host (adopted) and those
+    its placement leaves on the host."""
+    out = []
+    for c in components:
+        awake = {id(u) for u in c.strategy.awake_units()}
+        out.append((c, [u for u in c.strategy.store.units
+                        if u.where == "host" or id(u) not in awake]))
+    return out
+
+
 async def adopt(components: Iterable[Component]) -> int:
     """Attach, before placing: the bytes of tensors loaded on the host copied into the
     stores' own mirrors (see ``TensorStore.adopt``)."""
@@ -481,6 +516,16 @@ async def prepare_release(components: Iterable[Component], moves: list[PreparedM
     """Every component's move to the host, its mirrors current (detach)."""
     for c in components:
         store = c.strategy.store
+        if store.file_backing is not None and store.file_backing.asleep:
+            # Asleep with its weights only in its files: read back into host buffers (a
+            # file that changed leaves them discarded, as a discarding sleep would).
+            try:
+                moves.append(await prepare_file_wake(store, []))
+                continue
+            except CheckpointChanged as exc:
+                _log.warning(events.DETACH_STALE, components={c.name: store.stale_count},
+                             reason=str(exc))
+                store.file_backing = None
         if needs_restore(store):
             # The module gets its own storages back (not views of our flat mirrors, not
             # pinned memory): as it came, so another tool (or another controller) can place

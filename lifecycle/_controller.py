@@ -31,7 +31,7 @@ from strategies import (
     ResidencyStrategy,
     make_device_layer,
 )
-from strategies.protocol import PreparedMove, Shape
+from strategies.protocol import PreparedMove, Shape, forget_files, host_backup_bytes, record_files
 
 from . import _events as events
 from . import _results as results
@@ -41,6 +41,7 @@ from ._components import (
     Components,
     abandon,
     adopt,
+    attach_mirrors,
     build,
     prepare_placement,
     prepare_release,
@@ -58,7 +59,11 @@ from ._errors import (
     forget_locals,
 )
 from ._events import get_logger
+from ._filebacking import after_update, verify_checkpoint
 from ._group import Collective, describe
+from ._hostbudget import derive_budgets
+from ._hostbudget import local_world_size as local_world_size_of
+from ._hosttiers import plan_mirrors
 from ._loaders import NameMap, disk_plan, tensors_plan
 from ._lora import LoraBases, plan_tensors
 from ._measure import Measurer, fixed_modes, is_auto
@@ -86,6 +91,15 @@ class LifecycleController:
     when available. ``residency``: a :class:`~strategies.ResidencyConfig` or anything
     :meth:`ResidencyConfig.parse` takes. ``device_layer`` replaces the device layer (tests
     inject faults through it).
+
+    Host memory (see docs/limits.md): ``host_budget`` caps every host byte the library holds
+    and ``pin_budget`` the page-locked part (bytes or ``"64GiB"``: this rank's own; ``"80%"``
+    or ``"auto"``: derived from the cgroup limits and ``/proc/meminfo``, less
+    ``host_reserve``, split between ``local_world_size`` ranks, default
+    ``$LOCAL_WORLD_SIZE``). A transition that would pass the host budget is refused before
+    it allocates (:class:`~strategies.HostBudgetExceeded`); mirrors past the pin budget are
+    pageable. ``release_mirrors_after_wake``: drop the mirrors of what is on the device after
+    each wake (the next sleep copies it again).
     """
 
     def __init__(self, device: str | torch.device | None = None, *,
@@ -99,8 +113,23 @@ class LifecycleController:
                  device_budget: int | float | str | None = None,
                  activation_reserve: int | None = None,
                  prefetch_headroom: int = 2**30, discard_on_release: Discard = None,
-                 weight_sync_limits: WeightSyncLimits | None = None) -> None:
+                 weight_sync_limits: WeightSyncLimits | None = None,
+                 host_budget: int | float | str | None = None,
+                 pin_budget: int | float | str | None = None,
+                 local_world_size: int | None = None,
+                 host_reserve: int | None = None,
+                 release_mirrors_after_wake: bool = False) -> None:
         self._layer = device_layer if device_layer is not None else make_device_layer(device)
+        # Host bytes this controller may hold, and the pinned part (lifecycle._hostbudget):
+        # bytes or a size are this rank's own; "auto" or "80%" are derived from the cgroup
+        # and /proc/meminfo and split between the ranks of this node.
+        self.host_budgets = derive_budgets(host_budget, pin_budget,
+                                           ranks=local_world_size_of(local_world_size),
+                                           reserve=host_reserve)
+        self._layer.host.set_budgets(self.host_budgets.host, self.host_budgets.pin)
+        # After each wake, drop the host mirrors of what is on the device again (hosts short
+        # of memory): the next sleep copies those bytes from the device again.
+        self.release_mirrors_after_wake = release_mirrors_after_wake
         # With a process group every transition is collective (see lifecycle._group).
         self._ranks = Collective(process_group, collective_timeout, lambda: self.phase)
         # In every event of this controller (with ``rank``): tells controllers of one process
@@ -127,6 +156,7 @@ class LifecycleController:
         self._lock = anyio.Lock(fast_acquire=True)
         self._components = Components(self._layer, lambda: self.phase, lambda: self.rank,
                                       self.id)  # the attached ones
+        self._components.budget_source = self.host_budgets.source
         # Worker threads for planning, reading and hashing: the library's own, so that it
         # never takes the application's share of anyio's default limiter.
         self._threads = anyio.CapacityLimiter(2)
@@ -211,6 +241,31 @@ class LifecycleController:
         """Where every component's bytes are right now."""
         return self._components.report(self._lora.nbytes, self.world_size, self._label)
 
+    def set_host_budget(self, host_budget: int | float | str | None,
+                        pin_budget: int | float | str | None = None, *,
+                        local_world_size: int | None = None,
+                        host_reserve: int | None = None) -> None:
+        """Hold the controller to new host and pin budgets from now on (what the constructor
+        takes). Nothing moves: host bytes held already stay, and a transition that would
+        add any past the new budget is refused."""
+        budgets = derive_budgets(host_budget, pin_budget,
+                                 ranks=local_world_size_of(local_world_size),
+                                 reserve=host_reserve)
+        self._layer.host.set_budgets(budgets.host, budgets.pin)
+        self.host_budgets = budgets
+        self._components.budget_source = budgets.source
+
+    def forget_checkpoint(self, components: Sequence[str] | None = None) -> None:
+        """Stop keeping ``components``' weights (all: None) in their checkpoint files: awake,
+        the next sleep keeps host copies again; asleep, the wake gives them places with their
+        weights discarded (stale until updated: the way out when a file changed)."""
+        for name in list(self._components) if components is None else list(components):
+            store = self._components.component(name).strategy.store
+            if store.file_backing is not None and store.file_backing.asleep:
+                store.file_backing = None  # the discarded sleep it is underneath remains
+            else:
+                forget_files(store)
+
     def reset_peak(self) -> None:
         """Start ``report().peak_device_bytes`` (and, on CUDA, the allocator's peaks of
         allocated and reserved bytes) again from the bytes held now."""
@@ -270,12 +325,18 @@ class LifecycleController:
         return await self._components.settle(moves)
 
     # -- attach / detach ---------------------------------------------------------------
-    async def attach(self, pipeline: Any) -> Phase:
+    async def attach(self, pipeline: Any, *,
+                     checkpoint: str | os.PathLike[str] | None = None) -> Phase:
         """Take the pipeline's components, build their strategies and place them for serving.
 
         Everything is validated before anything moves: the pipeline's shape, the residency
         configuration against the component names, every tensor (meta, sparse, foreign
-        device) and every component's mode (FSDP, layerwise)."""
+        device) and every component's mode (FSDP, layerwise).
+
+        ``checkpoint``: the safetensors files the weights were loaded from (laid out as
+        :meth:`update_weights_from_disk` reads them), checked byte for byte first
+        (:class:`CheckpointMismatch`): the components they cover keep no host copy while
+        asleep and are read back from them at wake (the file-backed tier)."""
         async with self._lock, self._ranks.section("attach"):
             self._refusal("attach")
             found = components_of(pipeline)
@@ -288,7 +349,8 @@ class LifecycleController:
                 assert self.device_budget is not None
                 self._fixed.validate_components(found)
                 self.last_plan = await self._measurer.plan_at_attach(
-                    found, self.device_budget, int(self.activation_reserve or 0), self._fixed)
+                    found, self.device_budget, int(self.activation_reserve or 0), self._fixed,
+                    self.host_budgets.host)
                 self.config = self.last_plan.config
             self.config.validate_components(found)
             resolve_discard(self.discard_on_release, found, "discard_on_release")
@@ -296,6 +358,10 @@ class LifecycleController:
             with events.bound(transition="attach", transition_id=next(_ids)):
                 t0 = time.perf_counter()
                 try:
+                    files = {} if checkpoint is None else await anyio.to_thread.run_sync(
+                        verify_checkpoint, {n: c.strategy.store for n, c in components.items()},
+                        checkpoint, limiter=self._threads)
+                    plan_mirrors(self._layer, attach_mirrors(components.values()), "attach")
                     with self._components.moving("attach"):
                         copied = await adopt(components.values()) + await self._transact(
                             "attach", functools.partial(prepare_placement, components.values()))
@@ -303,6 +369,8 @@ class LifecycleController:
                     abandon(components.values(), enabled)
                     raise
                 self._components.install(components, enabled)
+                for name, regions in files.items():
+                    record_files(components[name].strategy.store, regions)
                 self._machine.fire("attach")
                 self._summary("attach", Phase.UNINITIALIZED, copied, time.perf_counter() - t0)
             return self.phase
@@ -316,9 +384,11 @@ class LifecycleController:
             t0 = time.perf_counter()
             with events.bound(transition="detach", transition_id=next(_ids)):
                 self._components.warn_if_stale()
+                # Never refused for the host budget: the bytes go back to the caller's modules.
                 async with self._uses.drained("detach"):
-                    copied = await self._transact(
-                        "detach", functools.partial(prepare_release, self._components.values()))
+                    with self._layer.host.unbudgeted():
+                        copied = await self._transact("detach", functools.partial(
+                            prepare_release, self._components.values()))
                 self._components.release()
                 self._lora.clear()
                 self._machine.fire("detach")
@@ -436,7 +506,8 @@ class LifecycleController:
                    warmup: Callable[[], Awaitable[object]] | None = None, *,
                    uses: Sequence[str | tuple[str, float] | tuple[str, float, int]] | None = None,
                    activation_reserve: int | None = None,
-                   remeasure: bool = False) -> ResidencyPlan:
+                   remeasure: bool = False,
+                   host_budget: int | float | str | None = None) -> ResidencyPlan:
         """Propose the fastest residency whose predicted peak fits ``device_budget`` (bytes,
         ``"20GiB"``, or ``"90%"`` of the device's free memory; on the CPU, of the pipeline's
         size). Changes nothing: apply it with :meth:`set_residency`.
@@ -446,13 +517,17 @@ class LifecycleController:
         a request uses, in what order, how often and for how long; or ``uses``: that order
         declared (names, or ``(name, seconds[, forwards])``); neither: every component once,
         in attach order. Measurements are taken once and reused (``remeasure=True`` takes
-        them again), so plans for different budgets are comparable. Raises
-        :class:`InfeasibleBudget` when nothing fits."""
+        them again), so plans for different budgets are comparable. ``host_budget``: host
+        bytes the layout may hold while awake (the mirrors of what it offloads; default: the
+        controller's host budget). Raises :class:`InfeasibleBudget` naming the budget that
+        does not fit when nothing does."""
         if self.phase is Phase.UNINITIALIZED:
             raise TransitionRejected("plan", self.phase, NOT_INITIALIZED)
         reserve = activation_reserve if activation_reserve is not None else \
             self.activation_reserve
-        return await self._measurer.plan(device_budget, warmup, uses, reserve, remeasure)
+        host = self.host_budgets.host if host_budget is None else \
+            derive_budgets(host_budget, ranks=self.host_budgets.ranks).host
+        return await self._measurer.plan(device_budget, warmup, uses, reserve, remeasure, host)
 
     async def _set_residency(self, config: ResidencyConfig) -> ResidencyChange:
         if self.phase is Phase.UNINITIALIZED:
@@ -575,9 +650,17 @@ class LifecycleController:
         t0 = time.perf_counter()
         run = await Run.start(trigger, self._components, discard, self.progress, self.rank,
                               self.id)
+
+        async def prepare(moves: list[PreparedMove]) -> None:
+            # Refused before the first allocation when the new host copies do not fit.
+            plan_mirrors(self._layer, run.mirrors(), trigger)
+            await run.prepare(moves)
+
         with self._components.moving(trigger):
-            copied = await self._transact(trigger, run.prepare, land=False)  # landed by start
+            copied = await self._transact(trigger, prepare, land=False)  # landed by start
         self._machine.fire(trigger)
+        if trigger == "wake" and self.release_mirrors_after_wake:
+            self._components.release_mirrors()
         if run.way.empty_cache:
             await self._release_cache()
         seconds = time.perf_counter() - t0
@@ -775,6 +858,9 @@ class LifecycleController:
         stores = self._components.stores()
 
         async def prepare(moves: list[PreparedMove]) -> None:
+            # Refused before the first write when its backups do not fit the host budget.
+            self._layer.host.check(sum(host_backup_bytes(stores[n], plan.sources(n))
+                                       for n in plan.components), kind)
             await plan.write(stores, moves, self._threads)
             bases = await self._lora.prepare_commit(plan, stores, self._threads)
             if bases is not None:
@@ -790,6 +876,7 @@ class LifecycleController:
         finally:
             self._machine.fire("end_update")
         self._version += 1
+        after_update(kind, plan, stores)  # written tensors: their files' bytes, or anonymous
         seconds = time.perf_counter() - t0
         if plan.casts:
             _log.info(events.UPDATE_CAST, tensors=len(plan.casts), casts=plan.casts[:16],

@@ -19,10 +19,14 @@ from typing import TYPE_CHECKING
 
 from strategies.protocol import (
     DiscardMove,
+    FileSleepMove,
+    FileWakeMove,
     Move,
     UndiscardMove,
     Unit,
     prepare_discard,
+    prepare_file_sleep,
+    prepare_file_wake,
     prepare_undiscard,
 )
 
@@ -65,28 +69,42 @@ def resolve_discard(discard: Discard, components: Collection[str], field: str = 
 
 
 async def prepare_sleep(c: Component, units: list[Unit], progress: Progress | None,
-                        discard: frozenset[str]) -> Move | DiscardMove:
-    """The sleep of ``c``: discarding when named in ``discard`` or stale, else the usual one
-    of ``units`` (its device units)."""
+                        discard: frozenset[str]) -> Move | DiscardMove | FileSleepMove:
+    """The sleep of ``c``: discarding when named in ``discard`` or stale, file-backed when
+    its weights are still its recorded checkpoint files' (strategies._filebacked), else the
+    usual one of ``units`` (its device units)."""
     store = c.strategy.store
     move = await prepare_discard(store, c.name in discard, progress)
-    return move if move is not None else await store.prepare_to_host(units, progress=progress)
+    if move is not None:
+        return move
+    backed = await prepare_file_sleep(store, progress)
+    return backed if backed is not None else await store.prepare_to_host(units,
+                                                                          progress=progress)
 
 
 async def prepare_wake(c: Component, units: list[Unit], progress: Progress | None
-                       ) -> Move | UndiscardMove:
-    """The wake of ``c``: every unit placed again after a discarding sleep, else the usual
-    one of ``units`` (its awake units on the host)."""
+                       ) -> Move | UndiscardMove | FileWakeMove:
+    """The wake of ``c``: every unit placed again after a discarding sleep (its tensors read
+    back from its files after a file-backed one), else the usual one of ``units`` (its awake
+    units on the host)."""
     store = c.strategy.store
+    if store.file_backing is not None and store.file_backing.asleep:
+        return await prepare_file_wake(store, c.strategy.awake_units(), progress)
     if store.discarded is not None:
         return await prepare_undiscard(store, c.strategy.awake_units(), progress)
     return await store.prepare_to_device(units, progress)
 
 
 def stale_counts(components: Iterable[Component]) -> dict[str, int]:
-    """``{name: stale tensors}`` of the stale ones among ``components``."""
+    """``{name: stale tensors}`` of the stale ones among ``components`` (not one asleep
+    file-backed: its tensors come back from its files at wake)."""
     return {c.name: c.strategy.store.stale_count for c in components
-            if c.strategy.store.stale_count}
+            if c.strategy.store.stale_count and not _backed(c)}
+
+
+def _backed(c: Component) -> bool:
+    backing = c.strategy.store.file_backing
+    return backing is not None and backing.asleep
 
 
 def still_stale(components: Iterable[Component]) -> str:

@@ -8,6 +8,10 @@
     │   (+ValueError)                   loaded (strategies)
     ├── UnsupportedCompute (+RuntimeError)  a forward under CUDA graph capture or on a
     │                                   non-default CUDA stream (strategies)
+    ├── HostBudgetExceeded (+MemoryError)  a move would pass the host budget: refused
+    │                                   before allocating, nothing changed (strategies)
+    ├── CheckpointChanged (+OSError)    a file-backed component's checkpoint file changed or
+    │                                   vanished while it slept: wake refused (strategies)
     └── LifecycleError                  any refusal or failure of the lifecycle
         ├── TransitionRejected          refused before anything moved (trigger, phase, reason)
         │   ├── FSDPInferenceUnsupported  sleep/wake of an FSDP-managed pipeline (+RuntimeError)
@@ -25,6 +29,8 @@
         ├── AdmissionTimeout            use() waited too long for a transition
         ├── InvalidRequest (+ValueError)  a call's arguments are malformed, whatever the
         │                               pipeline holds (a LoRA scale, a tensor list, a port)
+        ├── CheckpointMismatch (+ValueError)  attach(checkpoint=) names files that are not
+        │                               the pipeline's weights
         ├── UnknownComponent (+KeyError)  a call named a component the pipeline lacks
         └── WeightSyncError             weight sync over a trainer's process group
             ├── WeightSyncGroupMissing  no group of that name: init it first
@@ -42,7 +48,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from strategies import ResidencyError
+from strategies import CheckpointChanged, HostBudgetExceeded, ResidencyError
 
 # Defined once, in strategies (its moves forget locals too); re-exported for the modules of
 # lifecycle that still import it from here.
@@ -62,6 +68,7 @@ UPDATE_WHILE_SLEEPING = ("Cannot update weights while the server is sleeping. "
 
 __all__ = [
     "AdmissionTimeout",
+    "CheckpointMismatch",
     "ComponentAsleep",
     "ComponentBusy",
     "ComponentNotPlaced",
@@ -232,6 +239,17 @@ class InvalidRequest(LifecycleError, ValueError):
         self.reason = reason
 
 
+class CheckpointMismatch(LifecycleError, ValueError):
+    """``attach(checkpoint=...)``: the checkpoint is not the pipeline's weights (a tensor's
+    bytes, dtype or shape differ, or it cannot be read): refused before anything moved.
+    ``component``, ``tensor``, ``path``: what differs, where."""
+
+    def __init__(self, path: str, reason: str, component: str = "", tensor: str = "") -> None:
+        super().__init__(f"checkpoint {path}: {reason}; attach without checkpoint=, or give "
+                         "the files the weights were loaded from")
+        self.path, self.reason, self.component, self.tensor = path, reason, component, tensor
+
+
 class UnknownComponent(LifecycleError, KeyError):
     """A call named a component the attached pipeline does not have."""
 
@@ -279,11 +297,12 @@ class WeightSyncGroupBroken(WeightSyncError):
 def failures_roll_back(trigger: str, phase: Callable[[], Phase]) -> Iterator[None]:
     """The one error boundary of a move: an ``Exception`` raised inside (a failed copy or
     allocation, after the caller rolled back) leaves as :class:`TransitionFailed` chaining
-    it; the library's own errors and cancellation pass unchanged. ``phase`` is read when
-    the error passes (it is the phase the pipeline is still in)."""
+    it; the library's own errors and cancellation pass unchanged (a host budget's refusal
+    too: it names the numbers). ``phase`` is read when the error passes (it is the phase
+    the pipeline is still in)."""
     try:
         yield
-    except LifecycleError:
+    except (LifecycleError, HostBudgetExceeded, CheckpointChanged):
         raise
     except Exception as exc:
         raise TransitionFailed(trigger, phase(), exc) from exc

@@ -100,19 +100,20 @@ class Measurer:
 
     async def plan(self, device_budget: int | float | str, warmup: Request | None,
                    uses: DeclaredUses | None, activation_reserve: int | None,
-                   remeasure: bool) -> ResidencyPlan:
+                   remeasure: bool, host_budget: int | None = None) -> ResidencyPlan:
         """See :meth:`LifecycleController.plan` (``activation_reserve``: None keeps the
         measured one)."""
         t0 = time.perf_counter()
         m = await self._measure(warmup, uses, remeasure)
         if activation_reserve is not None:
             m = dataclasses.replace(m, activation_reserve=int(activation_reserve))
-        plan, _ = await self._make(m, device_budget, t0)
+        plan, _ = await self._make(m, device_budget, t0, host_budget=host_budget)
         return dataclasses.replace(plan, warmup=warmup)
 
     async def plan_at_attach(self, found: Mapping[str, nn.Module],
                              device_budget: int | float | str, activation_reserve: int,
-                             fixed: ResidencyConfig | None = None) -> ResidencyPlan:
+                             fixed: ResidencyConfig | None = None,
+                             host_budget: int | None = None) -> ResidencyPlan:
         """residency='auto': a plan from sizes alone (each component used once per request,
         in attach order), before anything is placed; ``fixed``: the modes it keeps."""
         t0 = time.perf_counter()
@@ -123,22 +124,23 @@ class Measurer:
                          _SIZES_ONLY, latency, self._layer.copies_overlap_compute)
         keep = {} if fixed is None else \
             {n: fixed.mode_for(n) for n in found if fixed.names_mode_of(n)}
-        plan, budget = await self._make(m, device_budget, t0, keep)
+        plan, budget = await self._make(m, device_budget, t0, keep, host_budget)
         _log.info(events.PLAN_APPLIED, config=plan.config.to_string(), budget=budget,
                   predicted_peak=plan.predicted_peak_bytes, rank=self._rank(),
                   controller=self._controller_id)
         return plan
 
     async def _make(self, m: Measurements, device_budget: int | float | str, started: float,
-                    fixed: Mapping[str, ResidencyMode] | None = None
-                    ) -> tuple[ResidencyPlan, int]:
-        """The plan for ``device_budget`` (resolved against the free device memory) and the
-        budget in bytes."""
+                    fixed: Mapping[str, ResidencyMode] | None = None,
+                    host_budget: int | None = None) -> tuple[ResidencyPlan, int]:
+        """The plan for ``device_budget`` (resolved against the free device memory) and
+        ``host_budget`` (host bytes held while awake), and the device budget in bytes."""
         budget = parse_budget(device_budget, free_bytes=self._free_bytes(),
                               pipeline_bytes=m.pipeline_bytes)
         # The search is pure Python (milliseconds to a fraction of a second): off the loop.
         plan = await anyio.to_thread.run_sync(
-            functools.partial(make_plan, m, budget, planner_started=started, fixed=fixed),
+            functools.partial(make_plan, m, budget, planner_started=started, fixed=fixed,
+                              host_budget=host_budget),
             limiter=self._threads)
         return plan, budget
 

@@ -71,41 +71,54 @@ RUNNERS_UP = 3
 
 
 class InfeasibleBudget(LifecycleError):
-    """No layout fits the device budget. ``minimum_bytes`` is the smallest budget that fits
-    (reserve included); the message says which layout would run there."""
+    """No layout fits the budgets. ``budget``: the one that does not fit (``"device"`` or
+    ``"host"``: host bytes held while awake, the mirrors of what is offloaded);
+    ``minimum_bytes`` is the smallest such budget that fits (with the other budget kept; the
+    device's reserve included); the message says which layout would run there."""
 
     def __init__(self, budget_bytes: int, minimum_bytes: int, layout: str,
-                 reserve: int = 0) -> None:
-        super().__init__(
-            f"no residency fits a device budget of {format_bytes(budget_bytes)}"
-            + (f" (activation reserve {format_bytes(reserve)} included)" if reserve else "")
-            + f"; the smallest feasible budget is {format_bytes(minimum_bytes)} "
-            f"({minimum_bytes} bytes), running {layout}")
+                 reserve: int = 0, *, budget: str = "device",
+                 device_budget_bytes: int | None = None) -> None:
+        if budget == "host":
+            message = (f"no residency fits a host budget of {format_bytes(budget_bytes)} "
+                       f"within a device budget of {format_bytes(device_budget_bytes or 0)}: "
+                       f"the layouts that fit the device hold at least "
+                       f"{format_bytes(minimum_bytes)} ({minimum_bytes} bytes) on the host "
+                       f"while awake, running {layout}")
+        else:
+            message = (f"no residency fits a device budget of {format_bytes(budget_bytes)}"
+                       + (f" (activation reserve {format_bytes(reserve)} included)"
+                          if reserve else "")
+                       + f"; the smallest feasible budget is {format_bytes(minimum_bytes)} "
+                       f"({minimum_bytes} bytes), running {layout}")
+        super().__init__(message)
+        self.budget = budget
         self.budget_bytes = budget_bytes
         self.minimum_bytes = minimum_bytes
         self.layout = layout
 
 
-def parse_budget(budget: int | float | str, *, free_bytes: int | None, pipeline_bytes: int) -> int:
+def parse_budget(budget: int | float | str, *, free_bytes: int | None, pipeline_bytes: int,
+                 what: str = "device budget") -> int:
     """Bytes of a budget given as bytes, a size string (``"20GiB"``, ``"300MB"``) or a
     percentage (``"90%"``) of the device's free memory (``free_bytes``; where that is
-    unknown, as on the CPU, of the pipeline's size)."""
+    unknown, as on the CPU, of the pipeline's size). ``what``: its name in errors."""
     if isinstance(budget, bool) or not isinstance(budget, int | float | str):
-        raise TypeError(f"device budget must be bytes, a size string or a percentage, "
+        raise TypeError(f"{what} must be bytes, a size string or a percentage, "
                         f"got {type(budget).__name__}")
     if isinstance(budget, int | float):
         if not math.isfinite(budget) or budget < 0:
-            raise ValueError(f"device budget must be a non-negative number of bytes, got {budget}")
+            raise ValueError(f"{what} must be a non-negative number of bytes, got {budget}")
         return int(budget)
     text = budget.strip()
     if text.endswith("%"):
         try:
             share = float(text[:-1])
         except ValueError:
-            raise ValueError(f"invalid device budget {budget!r}; a percentage looks like "
+            raise ValueError(f"invalid {what} {budget!r}; a percentage looks like "
                              "'90%'") from None
         if not math.isfinite(share) or not 0 < share <= 100:
-            raise ValueError(f"device budget {budget!r}: the percentage must be in (0, 100]")
+            raise ValueError(f"{what} {budget!r}: the percentage must be in (0, 100]")
         whole = free_bytes if free_bytes is not None else pipeline_bytes
         return int(whole * share / 100)
     return parse_size(text)
@@ -211,6 +224,7 @@ class Option:
     mode: ResidencyMode = field(compare=False)
     prefetch: int = field(default=0, compare=False)
     resident_layers: int = field(default=0, compare=False)
+    host: int = field(default=0, compare=False)  # host bytes held while awake (its mirrors)
 
     def label(self) -> str:
         if self.mode is ResidencyMode.LAYERWISE_OFFLOAD:
@@ -301,7 +315,7 @@ def options_for(size: ComponentSizes, uses: Sequence[Use], bandwidth: float,
     offload_s = sum(stall(u, size.whole) + u.seconds for u in uses)
     for mode in (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD):
         out.append(Option(offload_s, size.whole * len(uses), 0, size.whole,
-                          size.whole if prefetched else 0, mode))
+                          size.whole if prefetched else 0, mode, host=size.whole))
     n = len(size.layers)
     if n < 2:
         return out
@@ -324,7 +338,8 @@ def options_for(size: ComponentSizes, uses: Sequence[Use], bandwidth: float,
                 moved += prep + copied
             out.append(Option(seconds, moved, size.nonlayer, (resident + p + 1) * largest,
                               (resident + p) * largest if prefetched else 0,
-                              ResidencyMode.LAYERWISE_OFFLOAD, p, resident))
+                              ResidencyMode.LAYERWISE_OFFLOAD, p, resident,
+                              host=sum(size.layers[resident:])))
     return out
 
 
@@ -335,7 +350,7 @@ def prune(options: Sequence[Option]) -> list[Option]:
                                              o.footprint()))
     kept: list[Option] = []
     for o in ordered:
-        if not any(k.seconds <= o.seconds and k.moved <= o.moved
+        if not any(k.seconds <= o.seconds and k.moved <= o.moved and k.host <= o.host
                    and all(a <= b for a, b in zip(k.footprint(), o.footprint(), strict=True))
                    for k in kept):
             kept.append(o)
@@ -365,15 +380,19 @@ class _Candidate:
 
 
 def search(names: Sequence[str], options: Sequence[Sequence[Option]], uses: Sequence[Use],
-           budget: int, reserve: int = 0, keep: int = 1 + RUNNERS_UP) -> list[_Candidate]:
-    """The ``keep`` fastest layouts with a predicted peak within ``budget``, best first
-    (ties: fewer bytes moved, then a lower peak): an exact branch-and-bound."""
+           budget: int, reserve: int = 0, keep: int = 1 + RUNNERS_UP,
+           host_budget: int | None = None) -> list[_Candidate]:
+    """The ``keep`` fastest layouts with a predicted peak within ``budget`` (and host bytes
+    within ``host_budget``), best first (ties: fewer bytes moved, then a lower peak): an
+    exact branch-and-bound."""
     n = len(names)
     rest_seconds = [0.0] * (n + 1)
     rest_idle = [0] * (n + 1)
+    rest_host = [0] * (n + 1)
     for i in range(n - 1, -1, -1):
         rest_seconds[i] = rest_seconds[i + 1] + min(o.seconds for o in options[i])
         rest_idle[i] = rest_idle[i + 1] + min(o.idle for o in options[i])
+        rest_host[i] = rest_host[i + 1] + min(o.host for o in options[i])
     min_work = {names[i]: min(o.working for o in options[i]) for i in range(n)}
     min_fetch = {names[i]: min(o.fetch for o in options[i]) for i in range(n)}
     best: list[tuple[float, int, int, tuple[int, ...]]] = []  # a max-heap by negation
@@ -398,6 +417,9 @@ def search(names: Sequence[str], options: Sequence[Sequence[Option]], uses: Sequ
         if seconds + rest_seconds[depth] > worst():
             return
         if bound_peak(depth) > budget:
+            return
+        if host_budget is not None and \
+                sum(o.host for o in layout.values()) + rest_host[depth] > host_budget:
             return
         if depth == n:
             peak = predict(layout, uses, reserve)
@@ -487,6 +509,10 @@ class ResidencyPlan:
     # The warm-up the plan was measured with: set_residency(plan) validates with it.
     warmup: Callable[[], Awaitable[object]] | None = field(default=None, compare=False,
                                                           repr=False)
+    # The host budget planned for (None: none) and the host bytes the layout holds while
+    # awake (the mirrors of what it offloads; a sleep keeps more unless file-backed).
+    host_budget_bytes: int | None = None
+    predicted_host_bytes: int = 0
 
     def explain(self) -> str:
         """A table per component (bytes, mode, tuning, moved per request, why), the totals,
@@ -504,7 +530,10 @@ class ResidencyPlan:
                     if self.activation_reserve else "") + ")"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                   for r in rows]
-        lines.append(f"predicted: peak {format_bytes(self.predicted_peak_bytes)}, "
+        lines.append(f"predicted: peak {format_bytes(self.predicted_peak_bytes)}, host "
+                     f"{format_bytes(self.predicted_host_bytes)} while awake"
+                     + (f" (host budget {format_bytes(self.host_budget_bytes)})"
+                        if self.host_budget_bytes is not None else "") + ", "
                      f"{self.predicted_seconds * 1e3:.2f} ms per request, "
                      f"{format_bytes(self.moved_bytes_per_request)} moved per request "
                      f"(planned in {self.planner_seconds * 1e3:.1f} ms)")
@@ -525,6 +554,8 @@ class ResidencyPlan:
             "resident_layers": dict(self.config.resident_layers),
             "budget_bytes": self.budget_bytes,
             "predicted_peak_bytes": self.predicted_peak_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
+            "predicted_host_bytes": self.predicted_host_bytes,
             "moved_bytes_per_request": self.moved_bytes_per_request,
             "predicted_seconds": self.predicted_seconds,
             "activation_reserve": self.activation_reserve,
@@ -586,8 +617,10 @@ def _keep_fixed(all_options: list[list[Option]], sizes: Sequence[ComponentSizes]
 
 
 def make_plan(measurements: Measurements, budget: int, *, planner_started: float,
-              fixed: Mapping[str, ResidencyMode] | None = None) -> ResidencyPlan:
-    """The plan for ``budget`` bytes (raises :class:`InfeasibleBudget`); ``fixed``: the
+              fixed: Mapping[str, ResidencyMode] | None = None,
+              host_budget: int | None = None) -> ResidencyPlan:
+    """The plan for ``budget`` device bytes and ``host_budget`` host bytes held while awake
+    (raises :class:`InfeasibleBudget` naming the budget that does not fit); ``fixed``: the
     components whose mode the user chose (``residency="auto,transformer=..."``), planned
     around."""
     m = measurements
@@ -597,7 +630,20 @@ def make_plan(measurements: Measurements, budget: int, *, planner_started: float
                                m.copy_latency, m.overlap) for s in m.sizes]
     _keep_fixed(all_options, m.sizes, fixed or {})
     options = [prune(o) for o in all_options]
-    found = search(names, options, m.uses, budget, m.activation_reserve)
+    found = search(names, options, m.uses, budget, m.activation_reserve,
+                   host_budget=host_budget)
+    if not found and host_budget is not None:
+        # The layout with the fewest host bytes that fits the device: the same exact search
+        # with host bytes as the cost (pruning kept it: a pruned option holds no fewer).
+        by_host = [[dataclasses.replace(o, seconds=float(o.host)) for o in opts]
+                   for opts in options]
+        device_only = search(names, by_host, m.uses, budget, m.activation_reserve, keep=1)
+        if device_only:  # the device fits: the host does not
+            least = device_only[0]
+            layout = ", ".join(f"{n}={options[i][j].label()}"
+                               for i, (n, j) in enumerate(zip(names, least.choice, strict=True)))
+            raise InfeasibleBudget(host_budget, _host_of(options, least), layout,
+                                   budget="host", device_budget_bytes=budget)
     if not found:
         peak, combo = minimum_peak(names, all_options, m.uses, m.activation_reserve)
         layout = ", ".join(f"{n}={all_options[i][j].label()}"
@@ -619,4 +665,10 @@ def make_plan(measurements: Measurements, budget: int, *, planner_started: float
     return ResidencyPlan(
         _config_of(chosen, sizes), budget, best.peak, best.moved,
         best.seconds + m.other_seconds, decisions, runners, m.activation_reserve, m.bandwidth,
-        m.source, time.perf_counter() - planner_started)
+        m.source, time.perf_counter() - planner_started, host_budget_bytes=host_budget,
+        predicted_host_bytes=_host_of(options, best))
+
+
+def _host_of(options: Sequence[Sequence[Option]], c: _Candidate) -> int:
+    """Host bytes a layout holds while awake."""
+    return sum(options[i][j].host for i, j in enumerate(c.choice))

@@ -89,10 +89,17 @@ class ComponentPlacement:
     lora_base_bytes: int = 0
     # Tensors discarded by a sleep and not written by an update since (see lifecycle._discard).
     stale_tensors: int = 0
+    # Bytes whose only copy while asleep is the checkpoint files they were loaded from (no
+    # host copy held: strategies._filebacked).
+    file_backed_bytes: int = 0
+    # Why its host copies are pinned or pageable (the pin budget's priorities).
+    host_tier: str = ""
 
     @property
     def pageable_bytes(self) -> int:
-        return self.host_bytes - self.pinned_bytes
+        """Host bytes not page-locked (``host_bytes`` less the pinned part; a pinned
+        buffer's footprint rounds up to pages, so never below 0)."""
+        return max(0, self.host_bytes - self.pinned_bytes)
 
 
 class Computed(Generic[Owner, T]):
@@ -137,12 +144,50 @@ class PlacementReport:
     # peak since attach or ``reset_peak()`` (CUDA, and the simulated GPU); None on CPU layers.
     reserved_bytes: int | None = field(default=None, compare=False)
     reserved_peak_bytes: int | None = field(default=None, compare=False)
+    # The host budgets (None: no cap) and every host byte the device layer holds now, by
+    # kind (mirrors, and transient buffers of a move in flight), and their peak.
+    host_budget: int | None = field(default=None, compare=False)
+    pin_budget: int | None = field(default=None, compare=False)
+    host_held_pinned: int = field(default=0, compare=False)
+    host_held_pageable: int = field(default=0, compare=False)
+    peak_host_bytes: int = field(default=0, compare=False)
+    host_budget_source: str = field(default="none", compare=False)
 
     # Totals over the components.
     device_bytes = _total("device_bytes")
     host_bytes = _total("host_bytes")
     pinned_bytes = _total("pinned_bytes")
     lora_base_bytes = _total("lora_base_bytes")
+    pageable_bytes = _total("pageable_bytes")
+    file_backed_bytes = _total("file_backed_bytes")
+
+    @property
+    def host_held_bytes(self) -> int:
+        """Every host byte the device layer holds now, pinned and pageable."""
+        return self.host_held_pinned + self.host_held_pageable
+
+    @property
+    def host_left(self) -> int | None:
+        """Host bytes still free under the host budget (None: no cap)."""
+        return None if self.host_budget is None else max(0, self.host_budget
+                                                         - self.host_held_bytes)
+
+    @property
+    def pin_left(self) -> int | None:
+        """Pinned bytes still free under the pin budget (None: no cap)."""
+        return None if self.pin_budget is None else max(0, self.pin_budget
+                                                        - self.host_held_pinned)
+
+    def host_memory(self) -> dict[str, Any]:
+        """The host bytes by kind, the budgets and what is left (``/state``'s ``host``)."""
+        return {"pinned_bytes": self.pinned_bytes, "pageable_bytes": self.pageable_bytes,
+                "file_backed_bytes": self.file_backed_bytes,
+                "held_pinned_bytes": self.host_held_pinned,
+                "held_pageable_bytes": self.host_held_pageable,
+                "peak_bytes": self.peak_host_bytes,
+                "host_budget": self.host_budget, "pin_budget": self.pin_budget,
+                "host_left": self.host_left, "pin_left": self.pin_left,
+                "source": self.host_budget_source}
 
     @property
     def stale(self) -> dict[str, int]:

@@ -13,7 +13,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from strategies import ResidencyStrategy
-from strategies.protocol import DiscardMove, Move, PreparedMove, UndiscardMove, Unit
+from strategies.protocol import (
+    DiscardMove,
+    FileSleepMove,
+    FileWakeMove,
+    Move,
+    PreparedMove,
+    UndiscardMove,
+    Unit,
+    covered,
+)
 
 from . import _events as events
 from ._discard import prepare_sleep, prepare_wake
@@ -39,7 +48,8 @@ class Direction:
     select: Callable[[ResidencyStrategy], list[Unit]]
     # (component, its selected units, progress, the components a sleep discards)
     prepare: Callable[[Component, list[Unit], Callable[[int], None], frozenset[str]],
-                      Awaitable[Move | DiscardMove | UndiscardMove]]
+                      Awaitable[Move | DiscardMove | UndiscardMove | FileSleepMove
+                                | FileWakeMove]]
     counts: Callable[[Unit], bool]  # bytes that will really be copied
     resync: bool  # take inventory again first (tensors replaced behind our back)
     empty_cache: bool  # give the freed blocks back to the driver after
@@ -105,12 +115,28 @@ class Run:
                 self.discarded.append(c.name)
             self._event(c.name, move, time.perf_counter() - m0)
 
+    def mirrors(self) -> list[tuple[Component, list[Unit]]]:
+        """The units whose bytes this run keeps in host mirrors (a sleep's, but for the
+        components it discards or keeps in files; a wake's, the host stores of the units of
+        a discarded or file-backed component that live on the host while awake)."""
+        if self.trigger != "sleep":
+            out = []
+            for c, _ in self._plan:
+                if c.strategy.store.discarded is not None:
+                    awake = {id(u) for u in c.strategy.awake_units()}
+                    out.append((c, [u for u in c.strategy.store.units if id(u) not in awake]))
+            return out
+        return [(c, units) for c, units in self._plan
+                if c.name not in self._discard and not c.strategy.store.stale_count
+                and not covered(c.strategy.store)]
+
     def _copied(self, nbytes: int) -> None:
         self._done += nbytes
         if self._progress is not None:
             self._progress(self.trigger, self._done, self._total)
 
-    def _event(self, component: str, move: Move | DiscardMove | UndiscardMove,
+    def _event(self, component: str,
+               move: Move | DiscardMove | UndiscardMove | FileSleepMove | FileWakeMove,
                seconds: float) -> None:
         if not events.wanted(_log, logging.DEBUG):
             return

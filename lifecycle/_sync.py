@@ -311,6 +311,8 @@ class SyncLifecycleController:
     report = _in_loop(LifecycleController.report)
     reset_peak = _in_loop(LifecycleController.reset_peak)
     mark_dirty = _in_loop(LifecycleController.mark_dirty)
+    set_host_budget = _in_loop(LifecycleController.set_host_budget)
+    forget_checkpoint = _in_loop(LifecycleController.forget_checkpoint)
     rebind = _in_loop(LifecycleController.rebind)
 
     # -- transitions -------------------------------------------------------------------
@@ -341,14 +343,15 @@ class SyncLifecycleController:
 
     def plan(self, device_budget: int | float | str, warmup: Callable[[], object] | None = None,
              *, uses: Sequence[str | tuple[str, float] | tuple[str, float, int]] | None = None,
-             activation_reserve: int | None = None, remeasure: bool = False) -> ResidencyPlan:
+             activation_reserve: int | None = None, remeasure: bool = False,
+             host_budget: int | float | str | None = None) -> ResidencyPlan:
         """The fastest residency that fits ``device_budget`` (see
         :meth:`LifecycleController.plan`); ``warmup``: a blocking request through this facade
         (``lambda: generate(sctl)``), run once in a worker thread."""
         run = None if warmup is None else _in_thread(warmup)
         return self._call(lambda: self._controller.plan(
             device_budget, run, uses=uses, activation_reserve=activation_reserve,
-            remeasure=remeasure))
+            remeasure=remeasure, host_budget=host_budget))
 
     # -- weight sync over a trainer's process group ---------------------------------------
     init_weights_update_group = _awaited(LifecycleController.init_weights_update_group)

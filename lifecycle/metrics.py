@@ -20,6 +20,10 @@ Metrics (``residency_`` prefix):
 * ``residency_device_bytes{component}``, ``residency_host_bytes{component}``: from
   :meth:`~lifecycle.LifecycleController.report` at scrape time (components appear and
   disappear with attach and detach);
+* ``residency_host_memory_bytes{kind}``: every host byte the device layer holds, by kind
+  (``pinned``, ``pageable``) and the bytes kept only in checkpoint files (``file_backed``);
+  ``residency_host_budget_bytes{budget}`` and ``residency_host_left_bytes{budget}``
+  (``host``, ``pin``): the budgets and what is left under them (absent without a budget);
 * ``residency_stale_tensors{component}``: tensors a discarding sleep dropped that no update has
   written since (the component serves nothing while it is above 0), at scrape time;
 * ``residency_in_flight``, ``residency_weights_version``: read at scrape time;
@@ -98,7 +102,8 @@ class _StateCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         ctl = self._ctl
         families = self._families()
-        phase_gauge, device, host, stale, in_flight, version, label = families
+        phase_gauge, device, host, stale, in_flight, version, label, kinds, budgets, left = \
+            families
         current = ctl.phase
         for phase in Phase:
             phase_gauge.add_metric([phase.value], 1.0 if phase is current else 0.0)
@@ -110,6 +115,16 @@ class _StateCollector(Collector):
         version.add_metric([], float(ctl.weights_version))
         if ctl.weight_version_label is not None:
             label.add_metric([ctl.weight_version_label], 1.0)
+        report = ctl.report()
+        for kind, n in (("pinned", report.host_held_pinned),
+                        ("pageable", report.host_held_pageable),
+                        ("file_backed", report.file_backed_bytes)):
+            kinds.add_metric([kind], float(n))
+        for which, budget, rest in (("host", report.host_budget, report.host_left),
+                                    ("pin", report.pin_budget, report.pin_left)):
+            if budget is not None and rest is not None:
+                budgets.add_metric([which], float(budget))
+                left.add_metric([which], float(rest))
         return families
 
     def _components(self) -> dict[str, tuple[int, int, int]]:
@@ -141,6 +156,13 @@ class _StateCollector(Collector):
             GaugeMetricFamily("residency_weight_version_info",
                               "1, labelled with the trainer's weight_version of the weights "
                               "served.", labels=["version"]),
+            GaugeMetricFamily("residency_host_memory_bytes", "Host bytes held by kind "
+                              "(pinned, pageable) and kept only in checkpoint files "
+                              "(file_backed).", labels=["kind"]),
+            GaugeMetricFamily("residency_host_budget_bytes", "The host and pin budgets.",
+                              labels=["budget"]),
+            GaugeMetricFamily("residency_host_left_bytes", "Bytes left under the host and pin "
+                              "budgets.", labels=["budget"]),
         ]
 
 

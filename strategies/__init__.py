@@ -20,6 +20,8 @@ from ._cuda import CudaDevice
 from ._device import CopyHandle, CpuDevice, DeviceLayer, UnsupportedCompute, resolve_device
 from ._errors import ResidencyError, StoreError
 from ._factory import ComponentResidencyError, is_fsdp_managed
+from ._filebacked import CheckpointChanged
+from ._hostmem import HostBudgetExceeded
 from ._layers import make_device_layer
 from ._layerwise import (
     LayerwiseOffloadStrategy,
@@ -34,11 +36,13 @@ __all__ = [
     "DIT_GROUP",
     "RESIDENCY_POLICIES",
     "VAE_GROUP",
+    "CheckpointChanged",
     "ComponentResidencyError",
     "CopyHandle",
     "CpuDevice",
     "CudaDevice",
     "DeviceLayer",
+    "HostBudgetExceeded",
     "LayerwiseOffloadStrategy",
     "LayerwiseTuning",
     "ResidencyConfig",

@@ -33,6 +33,7 @@ import torch
 
 from ._errors import ResidencyError
 from ._fileread import FileRegion, read_regions
+from ._hostmem import HostLedger
 
 __all__ = [
     "CopyHandle",
@@ -189,19 +190,30 @@ class DeviceLayer:
         # The thread that refreshes host mirrors in the background after weight updates
         # (strategies._write): one per layer, stopped by close().
         self.refresher = Worker("residency-refresh")
+        # Every host buffer allocated here, by kind, and the host and pin budgets
+        # (strategies._hostmem): a host allocation past the host budget is refused before it
+        # happens, one past the pin budget is made pageable.
+        self.host = HostLedger(self.pinned_footprint)
 
     # -- allocation ----------------------------------------------------------------
     def alloc(self, nbytes: int, tier: Tier, *, pinned: bool | None = None) -> torch.Tensor:
         """A fresh 1-D uint8 buffer of ``nbytes`` on ``tier``. Host buffers are pinned on
-        CUDA unless ``pinned=False`` (transient buffers: pinning costs more than it saves)."""
+        CUDA unless ``pinned=False`` (transient buffers: pinning costs more than it saves) or
+        the pin budget is spent; :class:`~strategies.HostBudgetExceeded` before allocating
+        one that would pass the host budget."""
+        pin = self.pinned if pinned is None else pinned
+        if tier == "host":
+            pin = self.host.admit(nbytes, pin)
         with self._count_lock:
             self.allocations += 1
             self.host_allocations += tier == "host"
         # Never an inference tensor, even when called from a hook under inference_mode.
         with torch.inference_mode(False):
-            buf = self._alloc(nbytes, tier, self.pinned if pinned is None else pinned)
+            buf = self._alloc(nbytes, tier, pin)
         if tier == "device":
             self.track(buf)
+        else:
+            self.host.track(buf, pin)
         return buf
 
     # -- peak tracking ---------------------------------------------------------------

@@ -42,6 +42,7 @@ from ._write import WriteMove, WriteSource, cancel_refresh, land_refresh, prepar
 
 if TYPE_CHECKING:
     from ._discard import Discarded
+    from ._filebacked import FileBacking
 
 __all__ = ["CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreReport", "TensorStore"]
 
@@ -56,7 +57,9 @@ class StoreReport:
 
     device_bytes: int
     host_bytes: int
-    pinned_bytes: int
+    pinned_bytes: int  # the page-locked part of host_bytes, as footprint
+    # Bytes whose only copy while asleep is in files they were loaded from (no host copy).
+    file_backed_bytes: int = 0
 
 
 class PreparedMove(Protocol):
@@ -169,6 +172,14 @@ class TensorStore:
         # Asleep after a discarding sleep: what it kept (strategies._discard), else None.
         self.discarded: Discarded | None = None
         self._pending_lock = threading.Lock()  # forward hooks run in worker threads too
+        # Units whose mirror is made pageable though the layer pins (the pin budget went to
+        # units moved more often: lifecycle._hosttiers), and why this store's mirrors are
+        # of the kind they are (the report says it).
+        self.pageable_keys: set[str] = set()
+        self.pin_reason = ""
+        # The checkpoint files its weights are the bytes of, if recorded (the file-backed
+        # tier: strategies._filebacked).
+        self.file_backing: FileBacking | None = None
         # (``layout``'s inventory is taken over, not the store: its buffers are not kept alive.)
         self._take(layout.inventory if layout is not None else None)
 
@@ -254,7 +265,10 @@ class TensorStore:
             slot.version = -1
 
     def mark_dirty(self) -> None:
-        """Declare every mirror stale (after writes that bypass the version counter)."""
+        """Declare every mirror stale (after writes that bypass the version counter); the
+        tensors are no longer their checkpoint files' bytes either."""
+        if self.file_backing is not None and not self.file_backing.asleep:
+            self.file_backing = None
         for u in self.units:
             if u.where == "device":
                 u.mirror_current = False
@@ -298,7 +312,8 @@ class TensorStore:
         """Allocate ``unit``'s host mirror if it has none; True when it was allocated now."""
         if unit.host is not None:
             return False
-        self.adopt_mirror(unit, self.layer.alloc(unit.nbytes, "host"))
+        pinned = False if unit.key in self.pageable_keys else None
+        self.adopt_mirror(unit, self.layer.alloc(unit.nbytes, "host", pinned=pinned))
         assert unit.host is not None
         self.layer.label(unit.host, self.name, unit.key)
         unit.mirror_current = False
@@ -565,11 +580,22 @@ class TensorStore:
 
     def report(self) -> StoreReport:
         device = self.device_bytes
-        hosts = [u.nbytes for u in self.units if u.host is not None]
-        if self.discarded is not None and self.discarded.nbytes:
-            hosts.append(self.discarded.nbytes)
-        pinned = sum(self.layer.pinned_footprint(n) for n in hosts) if self.layer.pinned else 0
-        return StoreReport(device, sum(hosts), pinned)
+        hosts = [u.host for u in self.units if u.host is not None]
+        if self.discarded is not None and self.discarded.buffer is not None:
+            hosts.append(self.discarded.buffer)
+        pinned = 0
+        for buf in hosts:  # each buffer's kind as the layer's ledger counted it
+            kind = self.layer.host.kind(buf)
+            if kind is not None and kind[1]:
+                pinned += self.layer.pinned_footprint(int(buf.nbytes))
+        return StoreReport(device, sum(int(b.nbytes) for b in hosts), pinned,
+                           self.file_backed_bytes())
+
+    def file_backed_bytes(self) -> int:
+        """Bytes kept only in their checkpoint files while asleep (see
+        :mod:`strategies._filebacked`); 0 unless asleep file-backed."""
+        backing = self.file_backing
+        return backing.nbytes() if backing is not None and backing.asleep else 0
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor once, under its first name, sorted by name."""

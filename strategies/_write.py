@@ -62,8 +62,8 @@ from ._inventory import Slot, Unit
 if TYPE_CHECKING:
     from ._store import TensorStore
 
-__all__ = ["MirrorRefresh", "WriteMove", "WriteSource", "cancel_refresh", "land_refresh",
-           "prepare_write", "refresh_pending"]
+__all__ = ["MirrorRefresh", "WriteMove", "WriteSource", "cancel_refresh", "host_backup_bytes",
+           "land_refresh", "prepare_write", "refresh_pending"]
 
 # Bytes read per loader call (a chunk of sources is read in a worker thread, then written).
 READ_CHUNK = 256 * 2**20
@@ -474,10 +474,7 @@ def _backup(t: _Target, store: TensorStore, on_device: bool) -> torch.Tensor:
     return buf.view(live.dtype).view(live.shape)
 
 
-async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
-                        limiter: anyio.CapacityLimiter | None = None) -> WriteMove:
-    """Back up, then write every source into ``store``'s live tensors (see module doc)."""
-    leftovers = await _supersede(store)
+def _targets(store: TensorStore, sources: Sequence[WriteSource]) -> list[_Target]:
     targets = []
     for source in sources:
         slot, unit = store.slot_named(source.name)
@@ -485,13 +482,37 @@ async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
                     and slot.host_view is not None and slot.version == slot.tensor._version)
         targets.append(_Target(slot, unit, source, mirrored,
                                slot.version == slot.tensor._version))
-    move = WriteMove(store, targets, units=list({id(t.unit): t.unit for t in targets}.values()),
-                     leftovers=leftovers)
+    return targets
+
+
+def _backup_on_device(store: TensorStore, targets: Sequence[_Target]) -> bool:
+    """Whether the backups of device tensors go on the device (room for twice them)."""
     layer = store.layer
     device = [t for t in targets if not t.mirrored and not t.slot.stale
               and layer.device_memory(t.live)]
     free = layer.free_bytes()
-    backup_on_device = free is None or free > 2 * sum(t.nbytes for t in device)
+    return free is None or free > 2 * sum(t.nbytes for t in device)
+
+
+def host_backup_bytes(store: TensorStore, sources: Sequence[WriteSource]) -> int:
+    """Host bytes :func:`prepare_write` would allocate for ``sources``' backups (a tensor
+    whose mirror is current is backed up by it, a stale one needs none): for a host budget's
+    check before anything is written."""
+    targets = _targets(store, sources)
+    on_device = _backup_on_device(store, targets)
+    return sum(t.nbytes for t in targets if not t.mirrored and not t.slot.stale
+               and not (on_device and store.layer.device_memory(t.live)))
+
+
+async def prepare_write(store: TensorStore, sources: Sequence[WriteSource],
+                        limiter: anyio.CapacityLimiter | None = None) -> WriteMove:
+    """Back up, then write every source into ``store``'s live tensors (see module doc)."""
+    leftovers = await _supersede(store)
+    targets = _targets(store, sources)
+    move = WriteMove(store, targets, units=list({id(t.unit): t.unit for t in targets}.values()),
+                     leftovers=leftovers)
+    layer = store.layer
+    backup_on_device = _backup_on_device(store, targets)
     written: list[_Target] = []  # what a failure restores: every target written so far
 
     async def undo() -> None:

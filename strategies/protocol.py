@@ -12,6 +12,15 @@ from ._base import ResidencyStrategy
 from ._discard import DiscardMove, UndiscardMove, prepare_discard, prepare_undiscard
 from ._errors import forget_locals
 from ._factory import Shape, build_strategy
+from ._filebacked import (
+    FileSleepMove,
+    FileWakeMove,
+    covered,
+    forget_files,
+    prepare_file_sleep,
+    prepare_file_wake,
+    record_files,
+)
 from ._fileread import FileRegion, safetensors_regions
 from ._guard import ComputeGuard
 from ._inventory import Unit
@@ -20,13 +29,15 @@ from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._regroup import RegroupMove, RestoreMove, needs_restore, prepare_regroup, prepare_restore
 from ._resident import ResidentStrategy
 from ._store import Move, PreparedMove, StoreReport, TensorStore
-from ._write import WriteMove, WriteSource
+from ._write import WriteMove, WriteSource, host_backup_bytes
 
 __all__ = [
     "ComponentOffloadStrategy",
     "ComputeGuard",
     "DiscardMove",
     "FileRegion",
+    "FileSleepMove",
+    "FileWakeMove",
     "Move",
     "PreparedMove",
     "RegroupMove",
@@ -43,11 +54,17 @@ __all__ = [
     "WriteSource",
     "build_strategy",
     "check_block_lists",
+    "covered",
+    "forget_files",
     "forget_locals",
+    "host_backup_bytes",
     "needs_restore",
     "prepare_discard",
+    "prepare_file_sleep",
+    "prepare_file_wake",
     "prepare_regroup",
     "prepare_restore",
     "prepare_undiscard",
+    "record_files",
     "safetensors_regions",
 ]

@@ -21,9 +21,11 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
     assert lifecycle.__all__ == sorted(lifecycle.__all__)
     assert set(lifecycle.__all__) == public_names(lifecycle)
     assert set(lifecycle.__all__) == {
-        "AdmissionTimeout", "ComponentAsleep", "ComponentBusy", "ComponentNotPlaced",
+        "AdmissionTimeout", "CheckpointChanged", "CheckpointMismatch", "ComponentAsleep",
+        "ComponentBusy", "ComponentNotPlaced",
         "ComponentPlacement",
         "ComponentResidencyError", "DrainTimeout", "FSDPInferenceUnsupported", "GroupBroken",
+        "HostBudgetExceeded", "HostBudgets",
         "LifecycleController", "LifecycleError", "OccupationResult", "Phase", "PlacementReport",
         "RankChecksums", "RanksDisagree", "ResidencyChange", "ResidencyPlan", "InfeasibleBudget",
         "ResidencyError", "StoreError", "SyncLifecycleController", "TransitionFailed",
@@ -45,7 +47,9 @@ STRATEGIES_API = {
     "enable_layerwise_offload", "disable_layerwise_offload", "is_layerwise_offloaded",
     "layerwise_blocks", "detect_block_lists",
     "DeviceLayer", "CpuDevice", "CudaDevice", "CopyHandle", "make_device_layer", "resolve_device",
+    "HostBudgetExceeded",
     "ResidencyError", "StoreError", "ComponentResidencyError", "UnsupportedCompute",
+    "CheckpointChanged",
 }
 # strategies.protocol: the types of the strategy protocol and the moves the lifecycle drives
 # (TensorStore, Unit, the prepared moves: placement, writes, regrouping for a residency
@@ -58,6 +62,8 @@ PROTOCOL_API = {
     "FileRegion", "safetensors_regions",
     "RegroupMove", "prepare_regroup", "RestoreMove", "prepare_restore", "needs_restore",
     "DiscardMove", "UndiscardMove", "prepare_discard", "prepare_undiscard",
+    "FileSleepMove", "FileWakeMove", "prepare_file_sleep", "prepare_file_wake", "record_files",
+    "forget_files", "covered", "host_backup_bytes",
 }
 
 

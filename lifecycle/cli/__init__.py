@@ -41,13 +41,15 @@ def _table(report: DrillReport) -> Any:
                                 f"pipeline {format_bytes(report.pipeline_bytes)}", title_justify="left")
     for col, just in (("step", "left"), ("", "left"), ("outcome", "left"), ("seconds", "right"),
                       ("moved", "right"), ("GB/s", "right"), ("device after", "right"),
-                      ("phase after", "left")):
+                      ("host pinned/pageable/file", "right"), ("phase after", "left")):
         table.add_column(col, justify=just)
     for o in report.outcomes:
         index = ".".join(re.findall(r"\[(\d+)\]", o.index))
         table.add_row(index, o.step, ("ok: " if o.ok else "FAILED: ") + o.message[:70],
                       f"{o.seconds:.4f}", format_bytes(o.bytes_moved) if o.bytes_moved else "-",
-                      f"{o.gbps:.2f}" if o.bytes_moved else "-", format_bytes(o.device_bytes), o.phase)
+                      f"{o.gbps:.2f}" if o.bytes_moved else "-", format_bytes(o.device_bytes),
+                      f"{format_bytes(o.pinned_bytes)}/{format_bytes(o.pageable_bytes)}/"
+                      f"{format_bytes(o.file_backed_bytes)}", o.phase)
     return table
 
 
@@ -84,7 +86,9 @@ def _drill(args: argparse.Namespace) -> int:
         try:
             report = anyio.run(lambda: run_drill(scenario, device=args.device, size=args.size,
                                                  residency=args.residency, on_step=on_step,
-                                                 on_progress=on_progress, budget=args.budget))
+                                                 on_progress=on_progress, budget=args.budget,
+                                                 host_budget=args.host_budget,
+                                                 pin_budget=args.pin_budget))
         except (ValueError, InfeasibleBudget) as exc:  # bad residency, budget, device or size
             print(f"residency drill: {exc}", file=sys.stderr)
             return 2
@@ -118,6 +122,10 @@ def _bench(args: argparse.Namespace) -> int:
         from . import bench_discard
 
         return bench_discard.run(args)
+    if args.which == "host":
+        from . import bench_host
+
+        return bench_host.run(args)
     # all: sleep/wake, then updates, with the same options
     first = bench.run(argparse.Namespace(**{**vars(args), "repeats": args.repeats or 5}))
     print()
@@ -152,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--residency", help="component residency, e.g. 'transformer=layerwise-offload'"
                                        ", or 'auto' (planned under --budget)")
     d.add_argument("--budget", help="device budget for --residency auto, e.g. 300MB or 50%%")
+    d.add_argument("--host-budget", help="host bytes the controller may hold ('8GiB', '50%%' "
+                                         "of what the cgroup and the machine leave, 'auto')")
+    d.add_argument("--pin-budget", help="page-locked host bytes (default: the host budget)")
     d.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles of the default drill")
     d.add_argument("--json", action="store_true", help="print the report as one JSON document")
     d.add_argument("--timeline", metavar="FILE.png", help="draw device/host bytes over time")
@@ -183,12 +194,13 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
     """``residency bench <which>``: one subparser per benchmark over parent parsers of options
     they share. Each gets parents of its own: a parent's actions are shared by its children,
     so one child's ``set_defaults`` (update's ``repeats=3``) would change the others'."""
-    from . import bench, bench_discard, bench_residency, bench_update
+    from . import bench, bench_discard, bench_host, bench_residency, bench_update
 
     def options(*, pipeline: bool = True) -> list[argparse.ArgumentParser]:
         return [bench.base_options(), *([bench.pipeline_options()] if pipeline else [])]
 
-    which = b.add_subparsers(dest="which", metavar="{sleep-wake,update,residency,discard,all}")
+    which = b.add_subparsers(dest="which",
+                             metavar="{sleep-wake,update,residency,discard,host,all}")
     which.add_parser("sleep-wake", parents=options(), help="sleep/wake throughput",
                      description=bench.__doc__)
     update = which.add_parser("update", parents=options(), help="weight updates",
@@ -199,6 +211,12 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
     bench_residency.add_arguments(residency)
     which.add_parser("discard", parents=options(), help="an RL cycle with discarding "
                      "releases against keeping ones", description=bench_discard.__doc__)
+    host = which.add_parser("host", parents=options(), help="host bytes while asleep, "
+                            "file-backed wakes, serve under a host budget",
+                            description=bench_host.__doc__)
+    host.add_argument("--no-serve", action="store_true",
+                      help="skip the peak RSS of residency serve")
+    host.set_defaults(repeats=3)
     both = which.add_parser("all", parents=options(), help="sleep-wake, then update")
     bench_update.add_arguments(both)
     both.set_defaults(repeats=None)  # each benchmark's own default (see _bench)

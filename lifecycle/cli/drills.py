@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import torch
 
-from lifecycle import LifecycleController, LifecycleError, Phase
+from lifecycle import HostBudgetExceeded, LifecycleController, LifecycleError, Phase
 from lifecycle._checkpoint import write_checkpoint
 from lifecycle._units import gbps, parse_size
 from lifecycle.demo import DemoPipeline
@@ -189,6 +189,10 @@ class StepOutcome:
     host_bytes: int
     phase: str
     started: float = 0.0  # seconds since the drill started
+    # The host bytes after the step by kind: page-locked, pageable, only in checkpoint files.
+    pinned_bytes: int = 0
+    pageable_bytes: int = 0
+    file_backed_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -203,6 +207,9 @@ class DrillReport:
     outcomes: list[StepOutcome] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     samples: list[tuple[float, int, int, str]] = field(default_factory=list)
+    host_budget: int | None = None  # the controller's host and pin budgets (None: no cap)
+    pin_budget: int | None = None
+    peak_host_bytes: int = 0  # the most host bytes the device layer held at once
 
     @property
     def passed(self) -> bool:
@@ -217,6 +224,8 @@ class DrillReport:
     def as_dict(self) -> dict[str, Any]:
         return {"scenario": self.scenario, "device": self.device,
                 "pipeline_bytes": self.pipeline_bytes, "passed": self.passed,
+                "host_budget": self.host_budget, "pin_budget": self.pin_budget,
+                "peak_host_bytes": self.peak_host_bytes,
                 "verdict": self.verdict, "failures": self.failures,
                 "steps": [asdict(o) | {"gbps": o.gbps} for o in self.outcomes]}
 
@@ -271,7 +280,7 @@ class _Runner:
                 bytes_moved = 0
                 try:
                     ok, message, bytes_moved = await self.execute(step)
-                except LifecycleError as exc:
+                except (LifecycleError, HostBudgetExceeded) as exc:
                     ok, message = False, f"{type(exc).__name__}: {exc}"
                 if step.kind != "expect":
                     self.last = (ok, message)
@@ -285,7 +294,9 @@ class _Runner:
                 outcome = StepOutcome(step.where, step.kind, ok, message,
                                       time.perf_counter() - start, bytes_moved,
                                       rep.device_bytes, rep.host_bytes, rep.phase.value,
-                                      start - self.t0)
+                                      start - self.t0, rep.pinned_bytes, rep.pageable_bytes,
+                                      rep.file_backed_bytes)
+                self.report.peak_host_bytes = rep.peak_host_bytes
                 self.report.outcomes.append(outcome)
                 self.record()
                 if self.on_step:
@@ -448,11 +459,13 @@ async def run_drill(scenario: Scenario, *, device: str | None = None, size: str 
                     residency: str | None = None, seed: int = 0,
                     on_step: Callable[[StepOutcome], None] | None = None,
                     on_progress: Callable[[str, int, int], None] | None = None,
-                    budget: str | None = None) -> DrillReport:
+                    budget: str | None = None, host_budget: str | None = None,
+                    pin_budget: str | None = None) -> DrillReport:
     """Build the demo pipeline and run ``scenario`` against a fresh controller.
 
     ``on_step`` is told each step's outcome; ``on_progress`` the bytes of moves in flight.
-    ``residency="auto"`` plans the residency under ``budget`` at attach."""
+    ``residency="auto"`` plans the residency under ``budget`` at attach; ``host_budget`` /
+    ``pin_budget``: the controller's (a step they refuse fails with the numbers)."""
     size_bytes = parse_size(size or scenario.size or "64MB")
     wanted = residency or scenario.residency
     auto = wanted is not None and wanted.strip().lower() == "auto"
@@ -467,7 +480,9 @@ async def run_drill(scenario: Scenario, *, device: str | None = None, size: str 
     # The drill's own device layer, so that fail_next steps inject real faults.
     layer = faulty_device_layer(device)
     ctl = LifecycleController(device_layer=layer, residency=config, progress=on_progress,
-                              device_budget=budget)
-    report = DrillReport(scenario.name, str(ctl.device), pipe.nbytes)
+                              device_budget=budget, host_budget=host_budget,
+                              pin_budget=pin_budget)
+    report = DrillReport(scenario.name, str(ctl.device), pipe.nbytes,
+                         host_budget=ctl.host_budgets.host, pin_budget=ctl.host_budgets.pin)
     await _Runner(ctl, pipe, layer, report, on_step).run(scenario)
     return report

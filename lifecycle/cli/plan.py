@@ -1,13 +1,14 @@
 """``residency plan``: the residency the planner chooses under a device budget, and why.
 
-    residency plan --budget 300MB [--size 1GiB] [--pipeline demo|MODULE:FACTORY]
-        [--device cpu|cuda|cuda:N] [--no-warmup] [--json]
+    residency plan --budget 300MB [--host-budget 200MB] [--size 1GiB]
+        [--pipeline demo|MODULE:FACTORY] [--device cpu|cuda|cuda:N] [--no-warmup] [--json]
 
 The pipeline is attached with every component offloaded (so it fits any device), one
 warm-up request measures it (the demo's generate, or the factory's generate callable), and
 the plan is printed: a table per component, the prediction and the runners-up. Nothing is
-applied. Exit codes: 0 a plan, 1 no layout fits the budget (the smallest that does is
-printed), 2 bad usage.
+applied. ``--host-budget``: the host bytes the layout may hold while awake (the mirrors of
+what it offloads). Exit codes: 0 a plan, 1 no layout fits the budgets (the one that does not
+fit and the smallest that would are printed), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--budget", required=True,
                     help="device bytes for weights: '300MB', '20GiB', a byte count, or '90%%' "
                          "of free device memory (on the CPU: of the pipeline size)")
+    ap.add_argument("--host-budget",
+                    help="host bytes the layout may hold while awake ('200MB', '80%%' or "
+                         "'auto' of what the cgroup and the machine leave)")
     ap.add_argument("--pipeline", default="demo", help="'demo' or MODULE:FACTORY")
     ap.add_argument("--size", default="64MB", help="demo pipeline weight size")
     ap.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -51,7 +55,8 @@ async def make(args: argparse.Namespace) -> ResidencyPlan:
             async def warmup() -> Any:
                 return await generate(ctl, {})
         return await ctl.plan(args.budget, warmup,
-                              activation_reserve=args.activation_reserve)
+                              activation_reserve=args.activation_reserve,
+                              host_budget=args.host_budget)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
     residency serve [--host 127.0.0.1] [--port 30000] [--pipeline demo|MODULE:FACTORY]
         [--size 64MB] [--residency ... | --device-budget 20GiB] [--device cpu|cuda|cuda:N]
+        [--host-budget 64GiB|80%|auto] [--pin-budget 16GiB|auto] [--checkpoint DIR]
         [--api-key KEY]
         [--auto-wake] [--drain-timeout S] [--log-json] [--discard-on-release all|NAMES]
         [--header-timeout S] [--body-timeout S] [--max-connections N] [--fd-timeout S]
@@ -18,6 +19,16 @@ finish (at most ``--drain-timeout`` seconds), detach, exit 0; a second signal ex
 controller's ``discard_on_release``; the reference's clients send ``{}``): they are stale
 from then on and, once resumed, serve nothing until updates write every tensor; a release
 body's ``"discard"`` overrides it per call. Names the pipeline lacks are bad usage (exit 2).
+
+``--host-budget`` caps the host bytes the server's weights may hold (mirrors, and the
+transient buffers of a move); a release, residency change or update that would pass it is
+refused before it allocates (HostBudgetExceeded, 507), nothing changed. A size is the node's:
+with ``--nproc N`` each rank gets 1/N; a percentage or ``auto`` is of what the process's
+cgroups and ``/proc/meminfo`` leave (``auto``: less a reserve), split between the node's
+ranks (``LOCAL_WORLD_SIZE``). ``--pin-budget`` caps the page-locked part (default: the host
+budget); mirrors past it are pageable. ``--checkpoint DIR``: the safetensors files the
+pipeline's weights were loaded from (``DIR/<component>/*.safetensors``), checked at start:
+the components they cover keep no host copy while released and are read back at resume.
 
 An empty ``--api-key`` (or ``RESIDENCY_API_KEY``) is bad usage (it would admit an empty token);
 binding an address other than loopback without a key prints a warning. Slow clients are bounded
@@ -41,8 +52,9 @@ import threading
 from types import FrameType
 from typing import Any
 
-from lifecycle import InfeasibleBudget, LifecycleController, configure_logging
+from lifecycle import CheckpointMismatch, InfeasibleBudget, LifecycleController, configure_logging
 from lifecycle._discard import resolve_discard
+from lifecycle._hostbudget import HostLimits, derive_budgets, local_world_size
 from lifecycle._pipeline import components_of
 from lifecycle._units import parse_size
 from lifecycle._weight_sync import WeightSyncLimits, warm_up
@@ -62,6 +74,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device-budget",
                     help="plan the residency at start under this many device bytes for weights "
                          "('20GiB', '90%%' of free memory); replaces --residency")
+    ap.add_argument("--host-budget", type=_budget,
+                    help="host bytes the weights may hold on this node ('64GiB', split over "
+                         "--nproc ranks; '80%%' or 'auto' of what the cgroup and the machine "
+                         "leave); past it releases and updates are refused (default: no cap)")
+    ap.add_argument("--pin-budget", type=_budget,
+                    help="page-locked host bytes on this node (same syntax; default: the host "
+                         "budget); mirrors past it are pageable")
+    ap.add_argument("--checkpoint", metavar="DIR",
+                    help="the safetensors files the weights were loaded from "
+                         "(DIR/<component>/*.safetensors): while released, the components "
+                         "they cover hold no host copy and are read back at resume")
     ap.add_argument("--api-key", default=os.environ.get("RESIDENCY_API_KEY"),
                     help="require 'Authorization: Bearer KEY' (default $RESIDENCY_API_KEY)")
     ap.add_argument("--auto-wake", action="store_true",
@@ -97,6 +120,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fd-timeout", type=_seconds, default=5.0,
                     help="seconds each step of a pickled upload's file-descriptor handshake "
                          "with its sender may take (then 400)")
+
+
+def _budget(text: str) -> str:
+    """``--host-budget`` / ``--pin-budget``: a size, a percentage or ``auto`` (checked now)."""
+    try:
+        derive_budgets(text, limits=HostLimits(total=1, available=1))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _seconds(text: str) -> float:
@@ -188,7 +220,8 @@ def _launch(args: argparse.Namespace) -> int:
     procs = []
     for rank in range(args.nproc):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.nproc),
-               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(args.nproc),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([sys.executable, "-m", "lifecycle", *sys.argv[1:]],
                                       env=env))
 
@@ -233,8 +266,16 @@ def run(args: argparse.Namespace) -> int:
         if args.device_budget is not None and args.residency not in (None, "auto"):
             raise ValueError("--device-budget plans the residency: leave out --residency")
         residency = "auto" if args.device_budget is not None else args.residency
+        # Sizes given are the node's: each rank holds its share (a percentage or 'auto' is
+        # split by the controller).
+        ranks = local_world_size(args.nproc if "LOCAL_WORLD_SIZE" not in os.environ else None)
+        host_budget, pin_budget = (
+            _per_rank(getattr(args, "host_budget", None), ranks),
+            _per_rank(getattr(args, "pin_budget", None), ranks))
         ctl = LifecycleController(args.device, residency=residency,
                                   device_budget=args.device_budget,
+                                  host_budget=host_budget, pin_budget=pin_budget,
+                                  local_world_size=ranks,
                                   drain_timeout=args.drain_timeout, auto_wake=args.auto_wake,
                                   process_group=group,
                                   collective_timeout=args.collective_timeout,
@@ -247,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(json=args.log_json, level="info")
     if args.api_key is not None or args.allow_process_groups:  # a first init need not wait
         threading.Thread(target=warm_up, name="residency-fork-server", daemon=True).start()
+    checkpoint = getattr(args, "checkpoint", None)
     driver = None
     if world > 1:
         from lifecycle.http._driver import LocalDriver
@@ -257,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         local = LocalDriver(ctl, generate)
         if rank != 0:
             async def serve_rank() -> None:
-                await ctl.attach(pipe)  # collective: with rank 0's startup
+                await ctl.attach(pipe, checkpoint=checkpoint)  # collective: with rank 0's
                 await follow(ctl, local, channel)
 
             import anyio
@@ -284,8 +326,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def startup() -> None:
         try:
-            await ctl.attach(pipe)
-        except InfeasibleBudget as exc:  # --device-budget too small: bad usage, say why
+            await ctl.attach(pipe, checkpoint=checkpoint)
+        except (InfeasibleBudget, CheckpointMismatch) as exc:  # bad usage, say why
             refused.append(str(exc))
             raise
         if driver is not None:  # ready when every rank answers, not when this one is
@@ -336,6 +378,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"residency serve: {refused[0]}", file=sys.stderr)
         return 2
     return 0
+
+
+def _per_rank(spec: str | None, ranks: int) -> int | str | None:
+    """A node's budget as one rank's: a size divided by the node's ranks; a percentage or
+    ``auto`` as given (the controller splits what it derives)."""
+    if spec is None or spec.strip().lower() == "auto" or spec.strip().endswith("%"):
+        return spec
+    return derive_budgets(spec, ranks=ranks, split_explicit=True).host
 
 
 def _join_group(args: argparse.Namespace) -> Any:

@@ -5,10 +5,11 @@ Typed refusals are 4xx, never 500: 400 for a refused request (with the reference
 401 without the API key, 403 for the weight update group routes on a server that did not
 opt in to them, 404/405 for unknown paths and methods, 408 when a body stops
 arriving, 409 when in-flight work did not drain in time, 413 for a body over the limit, 503
-when a call waited too long for a transition. 500 is kept for a move that failed and was
-rolled back (the body says so) and for a bug; an update over a trainer's process group that
-was rolled back because the trainer's broadcast failed (it died or stalled) is the client's
-failure: 400, as the reference answers failed updates. Nothing changes on any refusal.
+when a call waited too long for a transition, 507 when a move would pass the host budget
+(refused before allocating). 500 is kept for a move that failed and was rolled back (the
+body says so) and for a bug; an update over a trainer's process group that was rolled back
+because the trainer's broadcast failed (it died or stalled) is the client's failure: 400, as
+the reference answers failed updates. Nothing changes on any refusal.
 
 Bodies are bounded in memory as well as size: an upload's base64 strings are not parsed as
 JSON but left in the body's buffer and decoded there (see :func:`_parse`), and everything slow
@@ -53,6 +54,7 @@ from .. import (
     ComponentAsleep,
     DrainTimeout,
     GroupBroken,
+    HostBudgetExceeded,
     LifecycleController,
     LifecycleError,
     OccupationResult,
@@ -795,6 +797,13 @@ async def _library_error(request: Request, exc: Exception) -> Response:
     return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
 
 
+async def _host_budget(request: Request, exc: Exception) -> Response:
+    # Refused before allocating, nothing changed: 507 (insufficient storage), with the numbers.
+    assert isinstance(exc, HostBudgetExceeded)
+    return JSONResponse({"success": False, "message": str(exc), "needed_bytes": exc.needed,
+                         "held_bytes": exc.held, "host_budget": exc.budget}, status_code=507)
+
+
 async def _gone(request: Request, exc: Exception) -> Response:
     # The client went away mid-body: nobody reads this answer; not our bug either.
     return JSONResponse({"success": False, "message": "the client disconnected"}, status_code=400)
@@ -933,6 +942,7 @@ def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
                 for path, (handler, methods, _) in ROUTES.items()],
         exception_handlers={BadRequest: _bad_request, HTTPException: _http_error,
                             LifecycleError: _library_error, ClientDisconnect: _gone,
+                            HostBudgetExceeded: _host_budget,
                             Exception: _internal_error},
         lifespan=lifespan)
     app.state.service = service

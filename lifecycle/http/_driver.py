@@ -128,8 +128,11 @@ def local_state(ctl: LifecycleController) -> dict[str, Any]:
         "device_bytes": report.device_bytes, "host_bytes": report.host_bytes,
         "lora_base_bytes": report.lora_base_bytes,
         "stale": report.stale,
+        "host": report.host_memory(),
         "components": {n: {"mode": c.mode, "device_bytes": c.device_bytes,
                            "host_bytes": c.host_bytes, "pinned_bytes": c.pinned_bytes,
+                           "pageable_bytes": c.pageable_bytes,
+                           "file_backed_bytes": c.file_backed_bytes, "host_tier": c.host_tier,
                            "total_bytes": c.total_bytes, "stale_tensors": c.stale_tensors}
                        for n, c in report.components.items()},
         "weight_update_groups": {n: g.as_dict() for n, g in ctl.weight_update_groups.items()}}

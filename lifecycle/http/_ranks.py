@@ -39,6 +39,7 @@ import anyio.to_thread
 import torch
 
 from .. import (
+    HostBudgetExceeded,
     LifecycleController,
     LifecycleError,
     OccupationResult,
@@ -268,7 +269,7 @@ async def _run_op(local: LocalDriver, channel: OpChannel, seq: int, op: Mapping[
         if name == "state":
             return local_state(local.ctl)
         return {"error": "UnknownOp", "message": f"unknown op {name!r}"}
-    except (LifecycleError, ValueError, KeyError, OSError) as exc:
+    except (LifecycleError, ValueError, KeyError, OSError, HostBudgetExceeded) as exc:
         return _error(exc)
 
 

@@ -73,14 +73,15 @@ async def test_plans_from_full_size_to_the_smallest_feasible_budget_fit_and_stay
         assert len(modes) >= 3  # the budgets really chose different layouts
 
 
-def _exhaustive(m: Measurements, budget: int) -> float:
+def _exhaustive(m: Measurements, budget: int, host_budget: int | None = None) -> float:
     names = [s.name for s in m.sizes]
     options = [options_for(s, [u for u in m.uses if u.name == s.name], m.bandwidth)
                for s in m.sizes]
     best = float("inf")
     for combo in itertools.product(*options):
         layout = dict(zip(names, combo, strict=True))
-        if predict(layout, m.uses, m.activation_reserve) <= budget:
+        if predict(layout, m.uses, m.activation_reserve) <= budget and \
+                (host_budget is None or sum(o.host for o in combo) <= host_budget):
             best = min(best, sum(o.seconds for o in combo))
     return best + m.other_seconds
 

@@ -1,0 +1,243 @@
+"""The host budget: transitions whose host copies would pass it are refused before they
+allocate, with nothing changed; the report splits host bytes by kind and says what is left."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+
+from lifecycle import HostBudgetExceeded, LifecycleController, Phase, TransitionFailed
+from lifecycle.demo import DemoPipeline
+from lifecycle.testing import FaultyDevice
+from strategies import DeviceLayer
+
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
+
+SIZE = 2**20
+MODES = ["resident", "component-offload", "snapshot-offload", "layerwise-offload"]
+Make = Callable[..., Awaitable[tuple[LifecycleController, DemoPipeline, torch.Tensor]]]
+
+
+def state(pipe: DemoPipeline) -> dict[str, torch.Tensor]:
+    return {f"{n}.{k}": v.detach().cpu().clone() for n, m in pipe.modules.items()
+            for k, v in m.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+async def make() -> AsyncIterator[Make]:
+    """``await make(residency, **controller kwargs)``: an attached demo pipeline, its
+    output before attach; every controller closed after the test."""
+    async with AsyncExitStack() as stack:
+        async def made(residency: str | None = None, layer: DeviceLayer | None = None,
+                       **kwargs: object) -> tuple[LifecycleController, DemoPipeline, torch.Tensor]:
+            pipe = DemoPipeline.build(SIZE)
+            expected = pipe.forward_sync(steps=2)
+            ctl = LifecycleController(device_layer=layer or FaultyDevice(), residency=residency,
+                                      **kwargs)  # type: ignore[arg-type]
+            stack.push_async_callback(ctl.aclose)
+            await ctl.attach(pipe)
+            return ctl, pipe, expected
+
+        yield made
+
+
+async def output(ctl: LifecycleController, pipe: DemoPipeline) -> torch.Tensor:
+    return (await pipe.generate(ctl=ctl, steps=2)).cpu()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_sleep_whose_mirrors_do_not_fit_is_refused_before_allocating(
+        make: Make, mode: str) -> None:
+    """A sleep needing more host bytes than the budget leaves raises HostBudgetExceeded with
+    the numbers; no host buffer was allocated, the pipeline is awake and serves as before."""
+    ctl, pipe, expected = await make(f"transformer={mode}")
+    layer = ctl.device_layer
+    held = ctl.report().host_held_bytes
+    ctl.set_host_budget(held + 1)
+    before, allocations = state(pipe), layer.host_allocations
+    report = ctl.report()
+    with pytest.raises(HostBudgetExceeded) as info:
+        await ctl.sleep()
+    assert (info.value.held, info.value.budget) == (held, held + 1)
+    assert info.value.needed > 1 and info.value.what == "sleep"
+    assert "refused before allocating" in str(info.value)
+    assert layer.host_allocations == allocations
+    assert ctl.phase is Phase.AWAKE and ctl.report() == report
+    assert same(state(pipe), before)
+    assert torch.equal(await output(ctl, pipe), expected)
+    ctl.set_host_budget(None)
+    assert (await ctl.sleep()).success and (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_sleep_that_fits_the_budget_commits_and_reports_what_is_left(
+        make: Make, mode: str) -> None:
+    """Under a budget that fits, sleep and wake are bit-exact; the report gives the budget,
+    the bytes held by kind and what is left (pinned only where the layer pins)."""
+    ctl, pipe, expected = await make(f"transformer={mode}", host_budget=4 * SIZE)
+    assert (await ctl.sleep()).success
+    report = ctl.report()
+    assert report.host_budget == 4 * SIZE and report.host_budget_source == "explicit"
+    assert report.host_left == 4 * SIZE - report.host_held_bytes
+    assert report.host_bytes == sum(c.total_bytes for c in report.components.values())
+    if ctl.device_layer.pinned:
+        assert report.pinned_bytes >= report.host_bytes and report.pageable_bytes == 0
+    else:
+        assert (report.pinned_bytes, report.pageable_bytes) == (0, report.host_bytes)
+    assert report.host_memory()["host_budget"] == 4 * SIZE
+    assert (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+async def test_an_attach_whose_host_copies_do_not_fit_is_refused_with_nothing_attached(
+        make: Make) -> None:
+    """Offloaded components need host mirrors at attach: with a budget of 0 the attach is
+    refused before allocating, the controller stays detached, the modules untouched."""
+    pipe = DemoPipeline.build(SIZE)
+    before = state(pipe)
+    layer = FaultyDevice()
+    async with LifecycleController(device_layer=layer, residency="vae=component-offload",
+                                   host_budget=0) as ctl:
+        with pytest.raises(HostBudgetExceeded) as info:
+            await ctl.attach(pipe)
+        assert (info.value.held, info.value.budget, info.value.what) == (0, 0, "attach")
+        assert ctl.phase is Phase.UNINITIALIZED and layer.host_allocations == 0
+        assert same(state(pipe), before)
+        assert torch.equal(pipe.forward_sync(steps=2), pipe.forward_sync(steps=2))
+
+
+async def test_a_residency_change_past_the_budget_is_refused_and_rolled_back(
+        make: Make) -> None:
+    """Offloading a resident component needs new host mirrors: past the budget the change
+    raises HostBudgetExceeded at the allocation that would pass it, and the old residency
+    stays exactly as it was."""
+    ctl, pipe, expected = await make()
+    ctl.set_host_budget(ctl.report().host_held_bytes)
+    report, before = ctl.report(), state(pipe)
+    with pytest.raises(HostBudgetExceeded):
+        await ctl.set_residency("transformer=component-offload")
+    assert ctl.report() == report and ctl.config.to_string() == ""
+    assert same(state(pipe), before)
+    assert ctl.device_layer.host.refused == 1
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+async def test_an_update_past_the_budget_is_refused_and_every_tensor_kept(make: Make) -> None:
+    """Writing an offloaded component's host tensors needs host backups: past the budget the
+    update raises HostBudgetExceeded naming their bytes before allocating any, and every
+    tensor keeps its value."""
+    ctl, pipe, expected = await make("transformer=component-offload")
+    ctl.set_host_budget(ctl.report().host_held_bytes)
+    before, allocations = state(pipe), ctl.device_layer.host_allocations
+    name, value = next(iter(pipe.modules["transformer"].state_dict().items()))
+    with pytest.raises(HostBudgetExceeded) as info:
+        await ctl.update_weights_from_tensors([(name, torch.zeros_like(value))], "transformer")
+    assert (info.value.what, info.value.needed) == ("update_from_tensors", int(value.nbytes))
+    assert ctl.device_layer.host_allocations == allocations
+    assert same(state(pipe), before) and ctl.weights_version == 0
+    assert ctl.phase is Phase.AWAKE
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+async def test_a_discarding_sleep_needs_no_mirrors_and_fits_a_budget_of_what_is_held(
+        make: Make) -> None:
+    """Discarded components keep no host copy: a sleep discarding every resident one fits a
+    budget of the bytes held already."""
+    ctl, _, _ = await make()
+    ctl.set_host_budget(ctl.report().host_held_bytes + 4096)
+    assert (await ctl.sleep(discard="all")).success
+    assert ctl.report().host_held_bytes <= 4096
+
+
+async def test_pins_go_to_streamed_layers_first_and_the_rest_stays_pageable(
+        make: Make) -> None:
+    """With a pin budget for the transformer's streamed layers only, they get it; the other
+    components' mirrors are pageable, the report says why, and sleep/wake stays bit-exact
+    (pageable copies staged through the CUDA layer's pinned buffers)."""
+    from strategies._testing import sim_cuda_layer
+
+    residency = "transformer=layerwise-offload,vae=component-offload"
+    probe, _, _ = await make(residency, layer=sim_cuda_layer())
+    streamed = probe.report().components["transformer"].pinned_bytes
+    ctl, pipe, expected = await make(residency, layer=sim_cuda_layer(),
+                                     pin_budget=streamed + 4096)
+    report = ctl.report()
+    components = report.components
+    assert components["transformer"].pinned_bytes == streamed > 0
+    assert components["transformer"].host_tier == "streamed layers get pins first"
+    assert (components["vae"].pinned_bytes, components["vae"].pageable_bytes) == \
+        (0, components["vae"].host_bytes)
+    assert components["vae"].host_tier == "pageable: the pin budget went to units moved more " \
+                                          "often"
+    assert report.pin_left == 4096
+    assert (await ctl.sleep()).success and (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+async def test_released_mirrors_after_wake_are_copied_again_by_the_next_sleep(
+        make: Make) -> None:
+    """With release_mirrors_after_wake the wake leaves only the offloaded VAE's mirror on
+    the host; the next sleep copies every resident byte from the device again (a fault at
+    its first mirror allocation rolls it back, still awake and exact), then wakes exact."""
+    layer = FaultyDevice()
+    ctl, pipe, expected = await make("vae=component-offload", layer=layer,
+                                     release_mirrors_after_wake=True)
+    assert (await ctl.sleep()).success and (await ctl.wake()).success
+    report = ctl.report()
+    vae = report.components["vae"]
+    assert report.host_bytes == vae.host_bytes == vae.total_bytes
+    layer.arm(alloc_at=1)
+    with pytest.raises(TransitionFailed):
+        await ctl.sleep()
+    assert ctl.phase is Phase.AWAKE and ctl.report() == report
+    assert torch.equal(await output(ctl, pipe), expected)
+    slept = await ctl.sleep()
+    assert slept.bytes_moved == report.device_bytes
+    assert (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+async def test_the_drill_reports_host_bytes_by_kind_and_its_budgets() -> None:
+    """A drill under a host budget gives the budgets and each step's host bytes by kind
+    (asleep: every byte a mirror, pinned only where the layer pins)."""
+    from lifecycle.cli.drills import default_scenario, run_drill
+    from strategies._layers import cpu_layer_kind
+
+    report = await run_drill(default_scenario(cycles=1), size="1MB", host_budget="64MB",
+                             pin_budget="32MB")
+    assert report.passed, report.failures
+    assert (report.host_budget, report.pin_budget) == (64_000_000, 32_000_000)
+    asleep = [o for o in report.outcomes if o.phase == "sleeping"]
+    assert asleep and all(o.host_bytes > 0 for o in asleep)
+    if cpu_layer_kind() == "cuda-sim":  # pinned within the pin budget: footprints, by page
+        assert all(o.pinned_bytes >= o.host_bytes and o.pageable_bytes == 0 for o in asleep)
+    else:
+        assert all((o.pinned_bytes, o.pageable_bytes) == (0, o.host_bytes) for o in asleep)
+    assert report.as_dict()["host_budget"] == 64_000_000
+    assert report.peak_host_bytes >= max(o.host_bytes for o in asleep)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_with_no_pin_budget_every_mirror_is_pageable_and_staged_bit_exact(
+        make: Make, mode: str) -> None:
+    """On the CUDA layer (over a simulated GPU) a pin budget of 0 makes every mirror
+    pageable: nothing is pinned, and sleep and wake (staged through the layer's pinned
+    buffers) give back the same output."""
+    from strategies._testing import sim_cuda_layer
+
+    ctl, pipe, expected = await make(f"transformer={mode}", layer=sim_cuda_layer(),
+                                     pin_budget=0)
+    assert (await ctl.sleep()).success
+    report = ctl.report()
+    assert (report.pinned_bytes, report.host_held_pinned) == (0, 0)
+    assert report.pageable_bytes == report.host_bytes > 0
+    assert (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
