@@ -70,6 +70,9 @@ class Components(Mapping[str, Component]):
         self._controller_id = controller_id
         self._by_name: dict[str, Component] = {}
         self._enabled: list[nn.Module] = []  # modules layerwise offload was enabled on by us
+        # The components asleep (a partial sleep: see lifecycle._select); every one while the
+        # phase is sleeping. Changed only at a sleep's or a wake's commit.
+        self.asleep: frozenset[str] = frozenset()
 
     def __getitem__(self, name: str) -> Component:
         return self._by_name[name]
@@ -139,7 +142,7 @@ class Components(Mapping[str, Component]):
         """Run before every forward of component ``name`` outside ``use()``: refuses one
         while sleeping, unplaced, stale, or streaming while its stores move or are written."""
         phase = self._phase()
-        if phase is Phase.SLEEPING:
+        if phase is Phase.SLEEPING or name in self.asleep:
             raise ComponentAsleep(name)
         strategy = self._by_name[name].strategy
         if phase is not Phase.UNINITIALIZED and not strategy.ready():
@@ -220,6 +223,7 @@ class Components(Mapping[str, Component]):
         """Take ``components`` (built and placed by attach) as the attached ones, their
         forwards checked."""
         self._by_name, self._enabled = components, enabled
+        self.asleep = frozenset()
         for c in components.values():
             check = functools.partial(self.check_forward, c.name)
             c.strategy.forward_check = check
@@ -234,6 +238,7 @@ class Components(Mapping[str, Component]):
                 c.guard.remove()
         abandon(self._by_name.values(), self._enabled)
         self._by_name, self._enabled = {}, []
+        self.asleep = frozenset()
 
     # -- residency while attached ------------------------------------------------------
     def reshapes(self, config: ResidencyConfig) -> dict[str, Shape]:

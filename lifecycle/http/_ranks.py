@@ -36,7 +36,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import torch
 
 from .. import (
     LifecycleController,
@@ -50,7 +49,7 @@ from .. import (
 )
 from .._discard import Discard
 from ._driver import Driver, LocalDriver, RanksUnavailable, Upload, local_state
-from ._wire import TensorRequest, WireRefused, group_refusal, pick_entry
+from ._wire import Decoded, TensorRequest, WireRefused, group_refusal, pick_entry
 
 __all__ = ["OpChannel", "OutputsDisagree", "RankDriver", "follow"]
 
@@ -201,10 +200,10 @@ def _describe(failures: Mapping[int, str], world_size: int) -> str:
 
 async def _decoded(local: LocalDriver, channel: OpChannel, seq: int, text: Any, index: int,
                    request: TensorRequest, fd_timeout: float, timeout: float
-                   ) -> list[tuple[str, torch.Tensor]]:
+                   ) -> Decoded:
     """This rank's entry decoded, once every rank has decoded its own (``agree``); raises
     :class:`WireRefused` naming every rank that could not."""
-    named: list[tuple[str, torch.Tensor]] | None = None
+    named: Decoded | None = None
     error: str | None = None
     try:
         if callable(text):
@@ -237,9 +236,15 @@ async def _run_op(local: LocalDriver, channel: OpChannel, seq: int, op: Mapping[
     name, args = op["op"], op.get("args", {})
     try:
         if name == "sleep":  # discard as the body gave it (None: this rank's option)
-            return (await local.sleep(args.get("discard"))).as_dict()
+            return (await local.sleep(args.get("discard"), args.get("components"))).as_dict()
         if name == "wake":
-            return (await local.wake()).as_dict()
+            return (await local.wake(args.get("components"))).as_dict()
+        if name == "weights_checker":
+            success, message = await local.weights_checker(args["action"])
+            return {"success": success, "message": message}
+        if name == "set_weight_version":
+            await local.set_weight_version(args["label"])
+            return {"success": True}
         if name == "update_from_disk":
             return (await local.update_from_disk(
                 args["path"], args["targets"], weight_version=args.get("weight_version"),
@@ -373,14 +378,34 @@ class RankDriver(Driver):
                           ) -> tuple[Any, dict[int, Any]]:
         return await self._call(op["op"], op.get("args", {}), lambda seq: here())
 
-    async def sleep(self, discard: Discard = None) -> OccupationResult:
-        result, _ = await self._everywhere({"op": "sleep", "args": {"discard": discard}},
-                                           lambda: self.local.sleep(discard))
+    async def sleep(self, discard: Discard = None, components: Sequence[str] | None = None
+                    ) -> OccupationResult:
+        args = {"discard": discard, "components": None if components is None else
+                list(components)}
+        result, _ = await self._everywhere({"op": "sleep", "args": args},
+                                           lambda: self.local.sleep(discard, components))
         return result  # type: ignore[no-any-return]
 
-    async def wake(self) -> OccupationResult:
-        result, _ = await self._everywhere({"op": "wake"}, self.local.wake)
+    async def wake(self, components: Sequence[str] | None = None) -> OccupationResult:
+        args = {"components": None if components is None else list(components)}
+        result, _ = await self._everywhere({"op": "wake", "args": args},
+                                           lambda: self.local.wake(components))
         return result  # type: ignore[no-any-return]
+
+    async def weights_checker(self, action: str) -> tuple[bool, str]:
+        (success, message), answers = await self._everywhere(
+            {"op": "weights_checker", "args": {"action": action}},
+            lambda: self.local.weights_checker(action))
+        failures = {r: why for r, a in answers.items() if (why := _failed(a)) is not None}
+        if not success:
+            failures[0] = message
+        if not failures:
+            return True, message
+        return False, _describe(failures, self.channel.world_size)
+
+    async def set_weight_version(self, label: str) -> None:
+        await self._everywhere({"op": "set_weight_version", "args": {"label": label}},
+                               lambda: self.local.set_weight_version(label))
 
     async def update_from_disk(self, path: str, targets: Sequence[str] | None, *,
                                weight_version: str | None = None,
