@@ -56,6 +56,7 @@ __all__ = ["OpChannel", "OutputsDisagree", "RankDriver", "follow"]
 HEARTBEAT_S = 1.0
 STALE_S = 5.0
 _POLL_S = 0.005
+_ABORT_POLL_S = 0.05  # how often a rank running a generation looks for its abort
 # The largest value put in the store at once: its server refuses values over 8 MiB (an upload
 # is relayed in pieces of this size).
 _PIECE = 4 * 2**20
@@ -132,10 +133,17 @@ class OpChannel:
                 time.sleep(_POLL_S)
         return dict(sorted(failures.items()))
 
+    def abort(self, seq: int) -> None:
+        """Mark op ``seq`` (a generation) aborted: every rank ends its part of it."""
+        self.store.set(f"abort/{seq}", "1")
+
+    def aborted(self, seq: int) -> bool:
+        return self._has(f"abort/{seq}")
+
     def forget(self, seq: int) -> None:
         """Delete op ``seq``'s keys (every rank has answered it)."""
-        keys = [f"op/{seq}", *(f"{kind}/{seq}/{r}" for kind in ("answer", "agree")
-                               for r in range(self.world_size))]
+        keys = [f"op/{seq}", f"abort/{seq}", *(f"{kind}/{seq}/{r}" for kind in ("answer", "agree")
+                                               for r in range(self.world_size))]
         for key in keys:
             with contextlib.suppress(RuntimeError):
                 self.store.delete_key(key)
@@ -295,9 +303,35 @@ async def follow(ctl: LifecycleController, local: LocalDriver, channel: OpChanne
                 await ctl.aclose()  # detach is collective: rank 0 detaches too
                 channel.answer(seq, {"stopped": True})
                 break
-            channel.answer(seq, await _run_op(local, channel, seq, op))
+            if op["op"] == "generate":
+                channel.answer(seq, await _abortable(local, channel, seq, op))
+            else:
+                channel.answer(seq, await _run_op(local, channel, seq, op))
             seq += 1
         tg.cancel_scope.cancel()
+
+
+async def _abortable(local: LocalDriver, channel: OpChannel, seq: int, op: Mapping[str, Any]
+                     ) -> dict[str, Any]:
+    """A generation on this rank, ended when rank 0 marks op ``seq`` aborted (its own
+    generation was aborted: see lifecycle.http._generations); nothing else is cancellable."""
+    answer: dict[str, Any] = {"error": "GenerationAborted",
+                              "message": "the generation was aborted on rank 0"}
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while not await anyio.to_thread.run_sync(channel.aborted, seq):
+                await anyio.sleep(_ABORT_POLL_S)
+            tg.cancel_scope.cancel()
+
+        async def run() -> None:
+            nonlocal answer
+            answer = await _run_op(local, channel, seq, op)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        tg.start_soon(run)
+    return answer
 
 
 def _failed(answer: Mapping[str, Any]) -> str | None:
@@ -356,7 +390,10 @@ class RankDriver(Driver):
             except BaseException:
                 # Refused here (a generation while asleep or stale): the other ranks ran the
                 # op all the same; collect their answers so that the op's keys are deleted.
+                # A generation aborted here (cancelled) is aborted on every rank.
                 with anyio.CancelScope(shield=True):
+                    if name == "generate":
+                        await anyio.to_thread.run_sync(self.channel.abort, seq)
                     await anyio.to_thread.run_sync(self._drop, seq)
                 raise
             answers = await anyio.to_thread.run_sync(self.channel.answers, seq, self.timeout)
