@@ -189,6 +189,23 @@ class Checksums:
         async with self._lock:
             return await anyio.to_thread.run_sync(hashes, limiter=self._threads)
 
+    async def copies(self, target: str, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
+        """Host copies of ``target``'s tensors ``names`` (read from wherever they are), in a
+        worker thread under the lock; names it lacks are left out."""
+        component = self._components.component(target)
+
+        def read() -> list[tuple[str, torch.Tensor]]:
+            out = []
+            for name in names:
+                t = component.strategy.store.tensor_named(name)
+                if t is not None:
+                    with torch.inference_mode(False):
+                        out.append((name, t.detach().to("cpu", copy=True)))
+            return out
+
+        async with self._lock:
+            return await anyio.to_thread.run_sync(read, limiter=self._threads)
+
     async def tensors(self, target: str, expected: Mapping[str, str]) -> TensorHashCheck:
         """:func:`check_hashes` of ``target``'s store (checked first: ``expected``, then that
         ``target`` is attached), in a worker thread under the lock."""

@@ -598,6 +598,12 @@ class LifecycleController:
         worker thread under the lock."""
         return await self._checksums.named(components)
 
+    async def tensor_copies(self, component: str, names: Sequence[str]
+                            ) -> list[tuple[str, torch.Tensor]]:
+        """Host copies of ``component``'s tensors ``names`` (what an update can restore
+        them from), read under the lock in a worker thread."""
+        return await self._checksums.copies(component, names)
+
     # -- weight sync over a trainer's process group (lifecycle._weight_sync) ------------------
     @property
     def weight_update_groups(self) -> Mapping[str, results.WeightUpdateGroupState]:

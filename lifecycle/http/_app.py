@@ -305,6 +305,8 @@ class _Service:
     file_check_timeout: float = 10.0
     # The generations in flight and the pause state (lifecycle.http._generations).
     generations: Generations = field(default_factory=lambda: Generations(None, None))
+    # vLLM's weight-transfer transaction (lifecycle.http._transfer.WeightTransfer).
+    transfer: Any = None
 
     @property
     def ctl(self) -> LifecycleController:
@@ -748,7 +750,7 @@ async def metrics(request: Request) -> Response:
 Handler = Callable[[Request], Awaitable[Response]]
 
 # The RL clients' control routes use this module's helpers above: imported once they exist.
-from . import _control  # noqa: E402
+from . import _control, _transfer  # noqa: E402
 
 # The reference's routes, each served to POST callers with the API key.
 _POSTED: dict[str, Handler] = {
@@ -768,7 +770,7 @@ ROUTES: dict[str, tuple[Handler, tuple[str, ...], bool]] = {
     # probes and scrapers: no key (the reference's health checks send none)
     "/health": (health, ("GET",), False), "/health_generate": (health, ("GET",), False),
     "/metrics": (metrics, ("GET",), False),
-    **_control.CONTROL_ROUTES,
+    **_control.CONTROL_ROUTES, **_transfer.TRANSFER_ROUTES,
 }
 
 
@@ -910,12 +912,18 @@ def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
                        body_limit, upload_limit, fd_timeout, file_check_timeout,
                        Generations(ctl.admission_timeout, ctl.drain_timeout))
 
+    service.transfer = _transfer.WeightTransfer()
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if on_startup is not None:
             await on_startup()
         try:
-            yield
+            async with anyio.create_task_group() as tg:
+                # Rolls back a weight transfer its trainer abandoned (lifecycle.http._transfer).
+                tg.start_soon(_transfer.abandon_after, service)
+                yield
+                tg.cancel_scope.cancel()
         finally:
             if on_shutdown is not None:
                 await on_shutdown()
