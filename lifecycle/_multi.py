@@ -6,14 +6,13 @@ module written, or none), as the reference applies a multi-module tensor upload.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from strategies.protocol import TensorStore
 
-from ._updates import UpdatePlan, UpdateRefused, _check_targets, _Planner, _same
+from ._updates import UpdatePlan, UpdateRefused, _check_targets, _Planner, add_tensors
 
 __all__ = ["plan_from_modules"]
 
@@ -30,16 +29,5 @@ def plan_from_modules(stores: Mapping[str, TensorStore],
         if not named:
             raise UpdateRefused(f"no tensors for module {target!r}; every module named is "
                                 "written (all or nothing), nothing was updated")
-        for i, item in enumerate(named):
-            if not (isinstance(item, tuple) and len(item) == 2):
-                raise UpdateRefused(f"{target} entry {i} is not a (name, tensor) pair")
-            name, tensor = item
-            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                raise UpdateRefused(f"{target} entry {i} must be (str, torch.Tensor), got "
-                                    f"({type(name).__name__}, {type(tensor).__name__})")
-            if tensor.is_meta or tensor.layout != torch.strided:
-                raise UpdateRefused(f"tensor {target}.{name} has no dense data "
-                                    f"({tensor.device}, {tensor.layout})")
-            planner.add(target, name, tensor.shape, tensor.dtype,
-                        functools.partial(_same, tensor))
+        add_tensors(planner, target, list(named), f"{target} ")
     return planner.finish(targets)
