@@ -161,3 +161,22 @@ async def test_a_use_with_auto_wake_wakes_the_asleep_component() -> None:
         await ctl.sleep(components=["dit"])
         async with ctl.use("transformer"):
             assert ctl.asleep == frozenset()
+
+
+@pytest.mark.parametrize("residency", [None, "vae=component-offload",
+                                       "transformer=snapshot-offload"])
+async def test_a_detach_while_partly_asleep_gives_every_weight_back(residency: str | None
+                                                                    ) -> None:
+    """Whatever the residency, a partial sleep, a use of the awake component, a partial wake
+    and a detach leave every tensor of the pipeline bit for bit as attached."""
+    pipe = small_pipeline()
+    sums = fingerprints(pipe)
+    async with LifecycleController("cpu", residency=residency) as ctl:
+        await ctl.attach(pipe)
+        assert (await ctl.sleep(components=["vae", "transformer"])).moved == ("transformer",
+                                                                              "vae")
+        async with ctl.use("text_encoder"):
+            pass
+        assert (await ctl.wake(components="vae")).asleep == ("transformer",)
+        assert await ctl.detach() is Phase.UNINITIALIZED
+    assert fingerprints(pipe) == sums
