@@ -19,6 +19,10 @@ One update is one transaction from start to finish. Two backends:
   update. Generations wait from start to finish (the pause mode ``keep``), so no generation
   sees a half-updated pipeline.
 
+One rank only (``serve`` without ``--nproc``): the copies and the staging are rank 0's; a
+server of several ranks refuses ``/init_weight_transfer_engine`` naming the process-group
+routes, which every rank serves.
+
 A transaction not finished within ``init_info.update_timeout`` seconds of its start (ours;
 default 300: the trainer gone), or whose update failed, is abandoned and rolled back; the next
 call says so.
@@ -138,6 +142,10 @@ async def init_weight_transfer_engine(request: Request) -> Response:
         raise _refused(f"init_info must be an object, got {type(info).__name__}")
     if transfer.active:
         raise _conflict(_STARTED)
+    if service.driver.world_size > 1:  # its copies and staging are rank 0's alone
+        raise _refused(f"the weight-transfer routes serve one rank; this server has "
+                       f"{service.driver.world_size}: use /init_weights_update_group and "
+                       "/update_weights_from_distributed (every rank joins the trainer's group)")
     timeout = info.get("update_timeout", DEFAULT_TIMEOUT)  # ours: seconds start -> finish
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise _refused(f"init_info.update_timeout must be a number of seconds above 0, got "
