@@ -404,6 +404,10 @@ class LifecycleController:
         the weights of the components this sleep releases."""
         return self._stamped(await self._occupation("sleep", discard, components))
 
+    async def _release(self, discard: Discard, components: Sequence[str] | str | None
+                       ) -> OccupationResult:
+        return self._stamped(await self._occupation("sleep", discard, components, narrow=True))
+
     async def wake(self, *, components: Sequence[str] | str | None = None) -> OccupationResult:
         """Restore every component's awake placement, bit-identically. All-or-nothing.
         ``components``: only those (names or groups) wake; the rest stay asleep."""
@@ -413,9 +417,11 @@ class LifecycleController:
                                         components: Sequence[str] | str | None = None
                                         ) -> OccupationResult:
         """The reference system's name for :meth:`sleep`; ``discard`` defaults to the
-        controller's ``discard_on_release``."""
-        return await self.sleep(self.discard_on_release if discard is None else discard,
-                                components=components)
+        controller's ``discard_on_release`` (of a partial release: the components it names
+        that this release releases)."""
+        if discard is None:
+            return await self._release(self.discard_on_release, components)
+        return await self.sleep(discard, components=components)
 
     async def resume_memory_occupation(self, *, components: Sequence[str] | str | None = None
                                        ) -> OccupationResult:
@@ -439,7 +445,10 @@ class LifecycleController:
         return ("wake" if self.phase is Phase.SLEEPING else "wake_some"), moving
 
     async def _occupation(self, trigger: str, discard: Discard = None,
-                          components: Sequence[str] | str | None = None) -> OccupationResult:
+                          components: Sequence[str] | str | None = None, *,
+                          narrow: bool = False) -> OccupationResult:
+        """A sleep or wake (of ``components``); ``narrow``: ``discard`` is a default, kept to
+        the components this sleep releases (else naming others is refused)."""
         async with self._lock, self._ranks.section(trigger):
             if self.phase is not Phase.UNINITIALIZED:
                 resolve_components(components, self._components)  # names checked first
@@ -458,7 +467,7 @@ class LifecycleController:
             assert partial is not None
             machine, moving = partial
             dropped = resolve_discard(discard, self._components)
-            if discard is True or discard == "all":
+            if narrow or discard is True or discard == "all":
                 dropped &= moving
             elif dropped - moving:
                 raise InvalidRequest("discard", f"discard names {sorted(dropped - moving)}, "

@@ -180,3 +180,14 @@ async def test_a_detach_while_partly_asleep_gives_every_weight_back(residency: s
         assert (await ctl.wake(components="vae")).asleep == ("transformer",)
         assert await ctl.detach() is Phase.UNINITIALIZED
     assert fingerprints(pipe) == sums
+
+
+async def test_the_default_discard_of_a_partial_release_keeps_to_what_it_releases() -> None:
+    """With discard_on_release=["transformer"], a release of the VAE alone keeps its host
+    copy (and is not refused); a release of the transformer discards it."""
+    async with LifecycleController("cpu", discard_on_release=["transformer"]) as ctl:
+        await ctl.attach(small_pipeline())
+        vae = await ctl.release_memory_occupation(components=["vae"])
+        assert (vae.moved, vae.discarded) == (("vae",), ())
+        dit = await ctl.release_memory_occupation(components=["dit"])
+        assert (dit.moved, dit.discarded) == (("transformer",), ("transformer",))
