@@ -131,7 +131,9 @@ class Generations:
         assert mode in MODES, mode
         before = self.mode
         self.mode = mode
-        self._resumed = anyio.Event() if self._resumed.is_set() else self._resumed
+        # Waiters look at the mode again (a pause to abort refuses those queued by another).
+        waiting, self._resumed = self._resumed, anyio.Event()
+        waiting.set()
         aborted = self.abort(None, f"paused with mode {mode!r}") if mode in ABORT_MODES else 0
         if mode in ABORT_MODES or mode == "wait":
             timeout = math.inf if self.drain_timeout is None else self.drain_timeout

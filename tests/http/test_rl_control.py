@@ -195,6 +195,17 @@ def test_pause_in_place_lets_generations_finish_and_queues_new_ones(
     assert not queued.done()
     post(served, "/continue_generation", {})
     assert queued.result(timeout=10).status_code == 200
+    # Paused again, then to abort: the one queued meanwhile is refused at once.
+    post(served, "/pause_generation", {"mode": "retract"})
+    queued = pool.submit(lambda: httpx.post(f"{served.url}/generate", json={"seed": 3},
+                                            timeout=30))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    post(served, "/pause_generation", {"mode": "abort"})
+    r = queued.result(timeout=10)
+    assert (r.status_code, r.json()["message"]) == (503, "generation is paused (mode 'abort'); "
+                                                    "call /continue_generation (or /resume) first")
+    assert time.monotonic() - t0 < 0.7  # not at the admission timeout (1 s)
 
 
 def test_vllm_pause_modes_resume_and_is_paused(served: Served, pool: ThreadPoolExecutor) -> None:
