@@ -233,7 +233,8 @@ def test_vllm_pause_modes_resume_and_is_paused(served: Served, pool: ThreadPoolE
 def test_abort_request_ends_one_generation_by_id_or_all(
         served: Served, pool: ThreadPoolExecutor) -> None:
     """/abort_request {"rid"} ends that generation only (a 503 naming it); vLLM's
-    /abort_requests {} ends every one; generation goes on unpaused after."""
+    /abort_requests {}, SGLang's {"abort_all": true} and /update_weight_version (its
+    abort_all_requests defaults to true) end every one; generation goes on unpaused after."""
     first = generate_later(served, pool, {"delay": 20, "rid": "a"})
     assert post(served, "/abort_request", {"rid": "b"}).json() == {"success": True, "aborted": 0}
     assert post(served, "/abort_request", {"rid": "a"}).json() == {"success": True, "aborted": 1}
@@ -241,6 +242,15 @@ def test_abort_request_ends_one_generation_by_id_or_all(
     second = generate_later(served, pool, {"delay": 20})
     assert post(served, "/abort_requests", {}).json() == {"status": "aborted", "aborted": 1}
     assert second.result(timeout=10).status_code == 503
+    third = generate_later(served, pool, {"delay": 20})
+    assert post(served, "/abort_request", {"abort_all": True}).json() == {
+        "success": True, "aborted": 1}
+    assert third.result(timeout=10).json()["finish_reason"]["message"] == \
+        "aborted by /abort_request"
+    fourth = generate_later(served, pool, {"delay": 20})
+    post(served, "/update_weight_version", {"new_version": "v9"})  # abort_all_requests: true
+    assert fourth.result(timeout=10).json()["finish_reason"]["message"] == \
+        "the weight version changed to 'v9'"
     assert post(served, "/generate", {"seed": 4}).status_code == 200
 
 
