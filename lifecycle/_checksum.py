@@ -169,6 +169,43 @@ class Checksums:
         """Every rank's :meth:`locked` (collective: every rank calls it)."""
         return await self._ranks.checksums(await self.locked(names, algorithm), self._rank())
 
+    async def named(self, names: Sequence[str] | None) -> dict[str, dict[str, str]]:
+        """``{component: {name: tensor_sha256}}`` of every parameter and buffer of ``names``
+        (every component for None), in a worker thread under the lock."""
+
+        def hashes() -> dict[str, dict[str, str]]:
+            attached = [self._components.component(n)
+                        for n in (list(self._components) if names is None else list(names))]
+            refuse_stale(attached)
+            out: dict[str, dict[str, str]] = {}
+            for c in attached:
+                found: dict[str, torch.Tensor] = dict(
+                    c.module.named_parameters(remove_duplicate=False))
+                found.update(c.module.named_buffers(remove_duplicate=False))
+                tensors = {n: c.strategy.store.tensor_named(n) for n in sorted(found)}
+                out[c.name] = {n: tensor_sha256(t) for n, t in tensors.items() if t is not None}
+            return out
+
+        async with self._lock:
+            return await anyio.to_thread.run_sync(hashes, limiter=self._threads)
+
+    async def copies(self, target: str, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
+        """Host copies of ``target``'s tensors ``names`` (read from wherever they are), in a
+        worker thread under the lock; names it lacks are left out."""
+        component = self._components.component(target)
+
+        def read() -> list[tuple[str, torch.Tensor]]:
+            out = []
+            for name in names:
+                t = component.strategy.store.tensor_named(name)
+                if t is not None:
+                    with torch.inference_mode(False):
+                        out.append((name, t.detach().to("cpu", copy=True)))
+            return out
+
+        async with self._lock:
+            return await anyio.to_thread.run_sync(read, limiter=self._threads)
+
     async def tensors(self, target: str, expected: Mapping[str, str]) -> TensorHashCheck:
         """:func:`check_hashes` of ``target``'s store (checked first: ``expected``, then that
         ``target`` is attached), in a worker thread under the lock."""

@@ -104,6 +104,9 @@ class Components(Mapping[str, Component]):
         self._by_name: dict[str, Component] = {}
         self._enabled: list[nn.Module] = []  # modules layerwise offload was enabled on by us
         self.budget_source = "none"  # how the host budgets were found (the report says it)
+        # The components asleep (a partial sleep: see lifecycle._select); every one while the
+        # phase is sleeping. Changed only at a sleep's or a wake's commit.
+        self.asleep: frozenset[str] = frozenset()
 
     def __getitem__(self, name: str) -> Component:
         return self._by_name[name]
@@ -179,7 +182,7 @@ class Components(Mapping[str, Component]):
         """Run before every forward of component ``name`` outside ``use()``: refuses one
         while sleeping, unplaced, stale, or streaming while its stores move or are written."""
         phase = self._phase()
-        if phase is Phase.SLEEPING:
+        if phase is Phase.SLEEPING or name in self.asleep:
             raise ComponentAsleep(name)
         strategy = self._by_name[name].strategy
         # Stale first: discarded weights serve nothing wherever they are (inside use() too),
@@ -276,6 +279,7 @@ class Components(Mapping[str, Component]):
         """Take ``components`` (built and placed by attach) as the attached ones, their
         forwards checked."""
         self._by_name, self._enabled = components, enabled
+        self.asleep = frozenset()
         for c in components.values():
             for sub in c.module.modules():
                 _managed[sub] = (weakref.ref(self), self._controller_id, c.name)
@@ -303,6 +307,7 @@ class Components(Mapping[str, Component]):
                     del _managed[sub]
         abandon(self._by_name.values(), self._enabled)
         self._by_name, self._enabled = {}, []
+        self.asleep = frozenset()
 
     # -- residency while attached ------------------------------------------------------
     def reshapes(self, config: ResidencyConfig) -> dict[str, Shape]:

@@ -49,12 +49,16 @@ from ._components import (
 )
 from ._discard import Discard, resolve_discard, with_stale
 from ._errors import (
+    ALREADY_AWAKE,
+    ALREADY_SLEEPING,
     NOT_INITIALIZED,
     DrainTimeout,
+    UPDATE_WHILE_SLEEPING,
     GroupBroken,
     InvalidRequest,
     TransitionFailed,
     TransitionRejected,
+    WeightUpdateWhileSleeping,
     failures_roll_back,
     forget_locals,
 )
@@ -67,10 +71,12 @@ from ._hosttiers import plan_mirrors
 from ._loaders import NameMap, disk_plan, tensors_plan
 from ._lora import LoraBases, plan_tensors
 from ._measure import Measurer, fixed_modes, is_auto
+from ._multi import plan_from_modules
 from ._phase import Phase, PhaseMachine, Refusal, Rule, refusal
 from ._pipeline import components_of
 from ._planner import ResidencyPlan
 from ._results import OccupationResult, ResidencyChange, UpdateResult
+from ._select import resolve_components
 from ._sleep import Run
 from ._updates import UpdatePlan, UpdateRefused, plan_from_disk, version_label
 from ._uses import Uses
@@ -532,6 +538,10 @@ class LifecycleController:
     async def _set_residency(self, config: ResidencyConfig) -> ResidencyChange:
         if self.phase is Phase.UNINITIALIZED:
             raise TransitionRejected("set_residency", self.phase, NOT_INITIALIZED)
+        if self.phase is Phase.AWAKE and self._components.asleep:
+            raise TransitionRejected("set_residency", self.phase, (
+                f"components {sorted(self._components.asleep)} are asleep (a partial sleep); "
+                "wake them, or sleep every component, before changing the residency"))
         wanted = self._components.reshapes(config)  # refused here before anything moves
         changed = {n: (self._components[n].strategy.mode.value, s.mode.value)
                    for n, s in wanted.items()}
@@ -584,28 +594,52 @@ class LifecycleController:
             raise
 
     # -- sleep / wake ------------------------------------------------------------------
-    async def sleep(self, discard: Discard = False) -> OccupationResult:
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The components asleep now: every one while sleeping; some after a partial sleep
+        (the phase stays awake while any component is awake)."""
+        return self._components.asleep
+
+    async def sleep(self, discard: Discard = False, *,
+                    components: Sequence[str] | str | None = None) -> OccupationResult:
         """Release every device byte of every component; host mirrors keep the weights.
 
         Unchanged weights are not copied (their mirror is current). All-or-nothing.
         ``discard`` (``True``, ``"all"`` or component names): those components' parameters and
         persistent buffers are dropped instead, with no host copy; after the wake they hold
         undefined values and serve nothing until updates write them (see lifecycle._discard).
-        A stale component's stale tensors are dropped again whatever ``discard`` says."""
-        return self._stamped(await self._occupation("sleep", discard))
+        A stale component's stale tensors are dropped again whatever ``discard`` says.
 
-    async def wake(self) -> OccupationResult:
-        """Restore every component's awake placement, bit-identically. All-or-nothing."""
-        return self._stamped(await self._occupation("wake"))
+        ``components`` (names or groups: ``dit``, ``text_encoder``, ``image_encoder``,
+        ``vae``, ``all``): only those sleep (a *partial* sleep); the phase becomes sleeping
+        once every component is asleep. An asleep component refuses uses, requests naming it,
+        forwards and updates writing it, while the others serve. ``discard=True`` then drops
+        the weights of the components this sleep releases."""
+        return self._stamped(await self._occupation("sleep", discard, components))
 
-    async def release_memory_occupation(self, discard: Discard = None) -> OccupationResult:
+    async def _release(self, discard: Discard, components: Sequence[str] | str | None
+                       ) -> OccupationResult:
+        return self._stamped(await self._occupation("sleep", discard, components, narrow=True))
+
+    async def wake(self, *, components: Sequence[str] | str | None = None) -> OccupationResult:
+        """Restore every component's awake placement, bit-identically. All-or-nothing.
+        ``components``: only those (names or groups) wake; the rest stay asleep."""
+        return self._stamped(await self._occupation("wake", None, components))
+
+    async def release_memory_occupation(self, discard: Discard = None, *,
+                                        components: Sequence[str] | str | None = None
+                                        ) -> OccupationResult:
         """The reference system's name for :meth:`sleep`; ``discard`` defaults to the
-        controller's ``discard_on_release``."""
-        return await self.sleep(self.discard_on_release if discard is None else discard)
+        controller's ``discard_on_release`` (of a partial release: the components it names
+        that this release releases)."""
+        if discard is None:
+            return await self._release(self.discard_on_release, components)
+        return await self.sleep(discard, components=components)
 
-    async def resume_memory_occupation(self) -> OccupationResult:
+    async def resume_memory_occupation(self, *, components: Sequence[str] | str | None = None
+                                       ) -> OccupationResult:
         """The reference system's name for :meth:`wake`."""
-        return await self.wake()
+        return await self.wake(components=components)
 
     @asynccontextmanager
     async def _locked(self, trigger: str) -> AsyncIterator[None]:
@@ -625,18 +659,54 @@ class LifecycleController:
         finally:
             self._lock.release()
 
-    async def _occupation(self, trigger: str, discard: Discard = None) -> OccupationResult:
+    def _partial(self, trigger: str, components: Sequence[str] | str | None
+                 ) -> tuple[str, frozenset[str]] | None:
+        """The machine's trigger for a sleep or wake of ``components`` and the components it
+        moves; None when they are all already where it would put them (a noop)."""
+        everyone = frozenset(self._components)
+        named = resolve_components(components, everyone)
+        asleep = self._components.asleep
+        if trigger == "sleep":
+            moving = named - asleep
+            return None if not moving else (
+                "sleep" if asleep | moving == everyone else "sleep_some", moving)
+        moving = named & asleep
+        if not moving:
+            return None
+        return ("wake" if self.phase is Phase.SLEEPING else "wake_some"), moving
+
+    async def _occupation(self, trigger: str, discard: Discard = None,
+                          components: Sequence[str] | str | None = None, *,
+                          narrow: bool = False) -> OccupationResult:
+        """A sleep or wake (of ``components``); ``narrow``: ``discard`` is a default, kept to
+        the components this sleep releases (else naming others is refused)."""
         async with self._locked(trigger), self._ranks.section(trigger):
-            rule = self._refusal(trigger)
+            if self.phase is not Phase.UNINITIALIZED:
+                resolve_components(components, self._components)  # names checked first
+            # A wake while some components are asleep (others awake) is a transition.
+            some = trigger == "wake" and self.phase is Phase.AWAKE and self._components.asleep
+            rule = self._refusal("wake_some" if some else trigger, trigger)
+            partial = None if rule is not None else self._partial(trigger, components)
+            if rule is None and partial is None:  # every named one is where this puts it
+                rule = Rule(Refusal.NOOP, ALREADY_SLEEPING if trigger == "sleep" else
+                            ALREADY_AWAKE)
             if rule:
                 noop = rule.kind is Refusal.NOOP
                 self._rejected(trigger, rule.message, "noop" if noop else "refused")
                 return OccupationResult(noop, self.phase is Phase.SLEEPING, rule.message,
-                                        self.phase)
+                                        self.phase, asleep=tuple(sorted(self.asleep)))
+            assert partial is not None
+            machine, moving = partial
             dropped = resolve_discard(discard, self._components)
+            if narrow or discard is True or discard == "all":
+                dropped &= moving
+            elif dropped - moving:
+                raise InvalidRequest("discard", f"discard names {sorted(dropped - moving)}, "
+                                                f"which this sleep does not release (it "
+                                                f"releases {sorted(moving)})")
             with events.bound(transition=trigger, transition_id=next(_ids)):
                 async with self._uses.drained(trigger):
-                    return await self._move_all(trigger, dropped)
+                    return await self._move_all(trigger, dropped, machine, moving)
 
     async def _release_cache(self) -> None:
         """Give the allocator's cached blocks back to the driver, after a committed move (in a
@@ -644,12 +714,12 @@ class LifecycleController:
         with anyio.CancelScope(shield=True):
             await self._layer.release_cache(self._threads)
 
-    async def _move_all(self, trigger: str, discard: frozenset[str] = frozenset()
-                        ) -> OccupationResult:
+    async def _move_all(self, trigger: str, discard: frozenset[str], machine: str,
+                        moving: frozenset[str]) -> OccupationResult:
         source = self.phase
         t0 = time.perf_counter()
         run = await Run.start(trigger, self._components, discard, self.progress, self.rank,
-                              self.id)
+                              self.id, only=moving)
 
         async def prepare(moves: list[PreparedMove]) -> None:
             # Refused before the first allocation when the new host copies do not fit.
@@ -658,7 +728,9 @@ class LifecycleController:
 
         with self._components.moving(trigger):
             copied = await self._transact(trigger, prepare, land=False)  # landed by start
-        self._machine.fire(trigger)
+        asleep = self._components.asleep
+        self._components.asleep = asleep | moving if trigger == "sleep" else asleep - moving
+        self._machine.fire(machine)
         if trigger == "wake" and self.release_mirrors_after_wake:
             self._components.release_mirrors()
         if run.way.empty_cache:
@@ -666,7 +738,8 @@ class LifecycleController:
         seconds = time.perf_counter() - t0
         released = max(0, run.before - self._components.device_bytes())
         self._summary(trigger, source, copied, seconds, released=released)
-        return run.result(self.phase, copied, released, seconds)
+        return dataclasses.replace(run.result(self.phase, copied, released, seconds),
+                                   asleep=tuple(sorted(self.asleep)))
 
     def _summary(self, trigger: str, source: Phase, copied: int, seconds: float,
                  released: int = 0) -> None:
@@ -682,8 +755,24 @@ class LifecycleController:
     @property
     def weight_version_label(self) -> str | None:
         """The ``weight_version`` of the last successful update that gave one (a failed
-        update keeps it), else None: the trainer's name for the weights served."""
+        update keeps it), else None: the trainer's name for the weights served. Set it to
+        rename the weights served without an update (the reference's
+        ``/update_weight_version``)."""
         return self._label
+
+    @weight_version_label.setter
+    def weight_version_label(self, label: str | None) -> None:
+        self._label = version_label(label)
+
+    @property
+    def admission_timeout(self) -> float | None:
+        """Seconds a use waits for a transition to end (None: as long as it takes)."""
+        return self._admission.admission_timeout
+
+    @property
+    def drain_timeout(self) -> float | None:
+        """Seconds a transition waits for the uses in flight to end."""
+        return self._admission.drain_timeout
 
     def weights_checksum(self, components: Sequence[str] | None = None, *,
                          algorithm: ChecksumAlgorithm = "reference") -> dict[str, str]:
@@ -755,6 +844,30 @@ class LifecycleController:
                                    lora_alpha, lora_rank, self._lora)
         return self._answer(await self._update("update_from_tensors", make, label=label,
                                                flush=flush_cache))
+
+    async def update_weights_from_modules(
+            self, modules: Mapping[str, Sequence[tuple[str, torch.Tensor]]], *,
+            weight_version: str | None = None, flush_cache: bool = False) -> UpdateResult:
+        """Write each module's named tensors into it (``{module: [(name, tensor), ...]}``) as
+        one update: every module written, or none (see lifecycle._multi)."""
+        stores, label = self._components.stores(), version_label(weight_version)
+        given = {m: list(named) for m, named in modules.items()}
+        return self._answer(await self._update(
+            "update_from_tensors", lambda: plan_from_modules(stores, given), label=label,
+            flush=flush_cache))
+
+    async def tensor_hashes(self, components: Sequence[str] | None = None
+                            ) -> dict[str, dict[str, str]]:
+        """``{component: {tensor name: SHA-256}}`` of every parameter and buffer (the
+        reference clients' per-tensor hash, read from wherever the bytes are), hashed in a
+        worker thread under the lock."""
+        return await self._checksums.named(components)
+
+    async def tensor_copies(self, component: str, names: Sequence[str]
+                            ) -> list[tuple[str, torch.Tensor]]:
+        """Host copies of ``component``'s tensors ``names`` (what an update can restore
+        them from), read under the lock in a worker thread."""
+        return await self._checksums.copies(component, names)
 
     # -- weight sync over a trainer's process group (lifecycle._weight_sync) ------------------
     @property
@@ -829,6 +942,12 @@ class LifecycleController:
                 try:
                     self._components.rescan(kind)
                     plan = await anyio.to_thread.run_sync(make_plan, limiter=self._threads)
+                    asleep = sorted(set(plan.components) & self._components.asleep)
+                    if asleep:  # a partial sleep: the reference's refusal, word for word
+                        _log.info(events.TRANSITION_REJECTED, trigger=kind, asleep=asleep,
+                                  phase=self.phase.value, outcome="refused",
+                                  reason="target asleep", rank=self.rank, controller=self.id)
+                        raise WeightUpdateWhileSleeping(kind, self.phase, UPDATE_WHILE_SLEEPING)
                 except (UpdateRefused, TransitionRejected) as exc:
                     refused = exc
                 # Several ranks: every rank's plan must be valid before any rank writes.

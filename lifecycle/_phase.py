@@ -59,6 +59,12 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition("attach", U, A),
     Transition("sleep", A, S),
     Transition("wake", S, A),
+    # Partial sleep and wake (``sleep(components=...)``): the phase is sleeping only while
+    # every component is asleep; a sleep of some (others stay awake) and a wake of some
+    # asleep ones while others are awake keep it awake. A wake of some from sleeping is
+    # ``wake`` (one component awake: awake).
+    Transition("sleep_some", A, A),
+    Transition("wake_some", A, A),
     Transition("begin_update", A, W),
     Transition("end_update", W, A),
     Transition("detach", A, U),
@@ -112,7 +118,7 @@ def refusal(trigger: str, phase: Phase, *, fsdp: bool = False) -> Rule | None:
     rule = REFUSALS.get((trigger, phase))
     if rule is not None and rule.kind is Refusal.NOOP:
         return rule
-    if fsdp and trigger in ("sleep", "wake"):
+    if fsdp and trigger in ("sleep", "wake", "sleep_some", "wake_some"):
         return _FSDP
     if rule is None and (trigger, phase) not in _VALID:
         return Rule(Refusal.REJECT, f"{trigger} is not valid in phase {phase.value}",

@@ -32,6 +32,10 @@ class OccupationResult:
     world_size: int = 1
     # The components whose weights a discarding sleep dropped (no host copy; stale at wake).
     discarded: tuple[str, ...] = ()
+    # The components this sleep or wake moved (every one but those already where it puts
+    # them); and those asleep after it (a partial sleep: the others are awake).
+    moved: tuple[str, ...] = ()
+    asleep: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -43,7 +47,8 @@ class OccupationResult:
                 "phase": self.phase.value, "bytes_moved": self.bytes_moved,
                 "bytes_released": self.bytes_released, "seconds": self.seconds,
                 "rank": self.rank, "world_size": self.world_size,
-                "discarded": list(self.discarded)}
+                "discarded": list(self.discarded), "moved": list(self.moved),
+                "asleep": list(self.asleep)}
 
 
 @dataclass(frozen=True)

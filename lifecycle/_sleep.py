@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,22 +86,25 @@ class Run:
         self._done = 0
         self._total = 0 if progress is None else sum(
             u.nbytes for _, units in self._plan for u in units if way.counts(u))
+        self.moved = tuple(c.name for c, _ in self._plan)  # the components this run moves
         self.discarded: list[str] = []
         self.before = 0  # device bytes before the move (what it released: see start())
 
     @classmethod
     async def start(cls, trigger: str, components: Components, discard: frozenset[str],
                     progress: Callable[[str, int, int], None] | None, rank: int,
-                    controller_id: int) -> Run:
-        """A run over the attached ``components``, once the bookkeeping before it is done: a
-        sleep right after a weight update waits for the mirror refresh still in flight (then
-        copies only what it left stale), before counting what is dirty and the device bytes
-        held; a sleep takes in tensors replaced behind our back."""
+                    controller_id: int, only: Collection[str] | None = None) -> Run:
+        """A run over the attached ``components`` (``only``: those named, a partial sleep
+        or wake), once the bookkeeping before it is done: a sleep right after a weight
+        update waits for the mirror refresh still in flight (then copies only what it left
+        stale), before counting what is dirty and the device bytes held; a sleep takes in
+        tensors replaced behind our back."""
         await components.land_refreshes(discard)
         before = components.device_bytes()
         if DIRECTIONS[trigger].resync:
             components.rescan(trigger)
-        run = cls(trigger, components.values(), discard, progress, rank, controller_id)
+        moved = [c for c in components.values() if only is None or c.name in only]
+        run = cls(trigger, moved, discard, progress, rank, controller_id)
         run.before = before
         return run
 
@@ -153,4 +156,4 @@ class Run:
             f" (discarded {discarded}: no host copy; update their weights after the wake)"
             if discarded else "")
         return OccupationResult(True, phase is Phase.SLEEPING, message, phase, copied, released,
-                                seconds, discarded=tuple(discarded))
+                                seconds, discarded=tuple(discarded), moved=self.moved)

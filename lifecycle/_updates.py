@@ -186,19 +186,26 @@ def plan_from_tensors(stores: Mapping[str, TensorStore],
     _check_targets(stores, [target])
     items = list(named.items()) if isinstance(named, Mapping) else list(named)
     planner = _Planner(stores)
+    add_tensors(planner, target, items)
+    return planner.finish([target], of=target)
+
+
+def add_tensors(planner: _Planner, target: str, items: Sequence[object], where: str = ""
+                ) -> None:
+    """Add each ``(name, tensor)`` of ``items`` to ``planner`` as a write into ``target``,
+    checked (pairs, types, dense data); ``where`` prefixes the entry numbers in messages."""
     for i, item in enumerate(items):
         if not (isinstance(item, tuple) and len(item) == 2):
-            raise UpdateRefused(f"entry {i} is not a (name, tensor) pair")
+            raise UpdateRefused(f"{where}entry {i} is not a (name, tensor) pair")
         name, tensor = item
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise UpdateRefused(f"entry {i} must be (str, torch.Tensor), got "
+            raise UpdateRefused(f"{where}entry {i} must be (str, torch.Tensor), got "
                                 f"({type(name).__name__}, {type(tensor).__name__})")
         if tensor.is_meta or tensor.layout != torch.strided:
             raise UpdateRefused(f"tensor {name!r} has no dense data ({tensor.device}, "
                                 f"{tensor.layout})")
         planner.add(target, name, tensor.shape, tensor.dtype, functools.partial(_same, tensor),
                     given=name)
-    return planner.finish([target], of=target)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -187,12 +187,12 @@ class Uses:
         if self._request.get() is not None:
             # A use inside a request of ours: the request holds a lease, so a transition is
             # draining it, not starting; its uses go on (waiting would deadlock the drain).
-            if self.phase() is Phase.SLEEPING:
+            if self.phase() is Phase.SLEEPING or name in self.components.asleep:
                 raise ComponentAsleep(name)
             return
         while True:
             await self.admission.wait_open(name)
-            if self.phase() is Phase.SLEEPING:
+            if self.phase() is Phase.SLEEPING or name in self.components.asleep:
                 if not self.auto_wake:
                     raise ComponentAsleep(name)
                 await self.wake()  # many waiters: the first moves, the rest see "already awake"
@@ -275,6 +275,9 @@ class Uses:
         # waits for all of it (drains it), not just for the use in progress, so a generation
         # is never cut between two of its components.
         await self._admit(order[0] if order else "request")
+        asleep = [n for n in dict.fromkeys(order) if n in self.components.asleep]
+        if asleep:  # a request is never cut at a component asleep
+            raise ComponentAsleep(asleep[0])
         refuse_stale(self.components[n] for n in dict.fromkeys(order))
         lease = self.admission.take(f"request {list(order)}")
         try:

@@ -126,6 +126,10 @@ def _bench(args: argparse.Namespace) -> int:
         from . import bench_host
 
         return bench_host.run(args)
+    if args.which == "partial":
+        from . import bench_partial
+
+        return bench_partial.run(args)
     # all: sleep/wake, then updates, with the same options
     first = bench.run(argparse.Namespace(**{**vars(args), "repeats": args.repeats or 5}))
     print()
@@ -194,13 +198,13 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
     """``residency bench <which>``: one subparser per benchmark over parent parsers of options
     they share. Each gets parents of its own: a parent's actions are shared by its children,
     so one child's ``set_defaults`` (update's ``repeats=3``) would change the others'."""
-    from . import bench, bench_discard, bench_host, bench_residency, bench_update
+    from . import bench, bench_discard, bench_host, bench_partial, bench_residency, bench_update
 
     def options(*, pipeline: bool = True) -> list[argparse.ArgumentParser]:
         return [bench.base_options(), *([bench.pipeline_options()] if pipeline else [])]
 
     which = b.add_subparsers(dest="which",
-                             metavar="{sleep-wake,update,residency,discard,host,all}")
+                             metavar="{sleep-wake,update,residency,discard,host,partial,all}")
     which.add_parser("sleep-wake", parents=options(), help="sleep/wake throughput",
                      description=bench.__doc__)
     update = which.add_parser("update", parents=options(), help="weight updates",
@@ -217,6 +221,8 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
     host.add_argument("--no-serve", action="store_true",
                       help="skip the peak RSS of residency serve")
     host.set_defaults(repeats=3)
+    which.add_parser("partial", parents=options(), help="release/resume of the transformer "
+                     "alone against the whole pipeline", description=bench_partial.__doc__)
     both = which.add_parser("all", parents=options(), help="sleep-wake, then update")
     bench_update.add_arguments(both)
     both.set_defaults(repeats=None)  # each benchmark's own default (see _bench)

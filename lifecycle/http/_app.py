@@ -35,7 +35,7 @@ import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +65,11 @@ from .. import (
     WeightsDiscarded,
 )
 from .._discard import Discard
+from .._errors import InvalidRequest
 from .._weight_sync import DEFAULT_TIMEOUT
 from ..metrics import ControllerMetrics
 from ._driver import Driver, Generate, LocalDriver, RanksUnavailable, Upload
+from ._generations import GenerationAborted, GenerationRefused, Generations
 from ._ranks import OutputsDisagree
 from ._transport import FD_TIMEOUT, TransportError, check_load_format
 from ._wire import TensorRequest, WireRefused, client_fault, trainer_failed
@@ -305,6 +307,10 @@ class _Service:
     fd_timeout: float = FD_TIMEOUT
     file_check_timeout: float = 10.0
     process_groups: bool = False  # the weight update group routes are served
+    # The generations in flight and the pause state (lifecycle.http._generations).
+    generations: Generations = field(default_factory=lambda: Generations(None, None))
+    # vLLM's weight-transfer transaction (lifecycle.http._transfer.WeightTransfer).
+    transfer: Any = None
 
     @property
     def ctl(self) -> LifecycleController:
@@ -324,8 +330,8 @@ def _occupation(result: OccupationResult) -> Response:
 async def _transition(request: Request,
                       call: Callable[[Mapping[str, Any]], Awaitable[OccupationResult]]
                       ) -> Response:
-    """A release or resume; ``call`` gets the body (clients send ``{}`` or ``{"tags": [...]}``,
-    which are ignored), which must be valid JSON."""
+    """A release or resume; ``call`` gets the body (clients send ``{}`` or ``{"tags": [...]}``:
+    see lifecycle.http._control.components_of), which must be valid JSON."""
     service = _service(request)
     body = await _body(request, service.body_limit)
     sleeping = service.ctl.phase is Phase.SLEEPING
@@ -335,6 +341,8 @@ async def _transition(request: Request,
         raise _refused(str(exc), 409, sleeping=sleeping) from None
     except TransitionRejected as exc:
         raise _refused(exc.reason, sleeping=sleeping) from None
+    except InvalidRequest as exc:
+        raise _refused(str(exc), sleeping=sleeping) from None
     except GroupBroken as exc:
         raise _refused(str(exc), 503, sleeping=service.ctl.phase is Phase.SLEEPING) from None
     except RanksUnavailable as exc:
@@ -374,15 +382,20 @@ def _discard(body: Mapping[str, Any], components: Sequence[str]) -> Discard:
 
 
 async def release(request: Request) -> Response:
-    """Release every device byte; ``discard`` in the body (see :func:`_discard`) drops the
-    named components' weights without a host copy, overriding ``--discard-on-release``."""
+    """Release every device byte (``tags``: those of the components they name); ``discard``
+    in the body (see :func:`_discard`) drops the named components' weights without a host
+    copy, overriding ``--discard-on-release``."""
     service = _service(request)
     return await _transition(request, lambda body: service.driver.sleep(
-        _discard(body, list(service.ctl.components))))
+        _discard(body, list(service.ctl.components)),
+        _control.components_of(service, body.get("tags"))))
 
 
 async def resume(request: Request) -> Response:
-    return await _transition(request, lambda body: _service(request).driver.wake())
+    """Resume every component (``tags``: those they name)."""
+    service = _service(request)
+    return await _transition(request, lambda body: service.driver.wake(
+        _control.components_of(service, body.get("tags"))))
 
 
 # Where the controller's update message says which components are still stale.
@@ -715,7 +728,13 @@ async def generate(request: Request) -> Response:
         raise _refused("this pipeline has no generate function (see residency serve "
                        "--pipeline MODULE:FACTORY)", 404)
     try:
-        return JSONResponse(dict(await service.driver.generate(body)))
+        async with service.generations.running(body.get("rid")) as rid:
+            return JSONResponse({**await service.driver.generate(body), "rid": rid})
+    except GenerationAborted as exc:  # the client learns why, and that nothing came back
+        raise _refused(str(exc), 503, rid=exc.rid,
+                       finish_reason={"type": "abort", "message": exc.why}) from None
+    except GenerationRefused as exc:
+        raise _refused(str(exc), exc.status) from None
     except ComponentAsleep as exc:
         raise _refused(str(exc)) from None
     except WeightsDiscarded as exc:  # stale since a discarding release: update weights first
@@ -759,6 +778,9 @@ async def metrics(request: Request) -> Response:
 
 Handler = Callable[[Request], Awaitable[Response]]
 
+# The RL clients' control routes use this module's helpers above: imported once they exist.
+from . import _control, _transfer  # noqa: E402
+
 # The reference's routes, each served to POST callers with the API key.
 _POSTED: dict[str, Handler] = {
     "/release_memory_occupation": release, "/resume_memory_occupation": resume,
@@ -777,6 +799,7 @@ ROUTES: dict[str, tuple[Handler, tuple[str, ...], bool]] = {
     # probes and scrapers: no key (the reference's health checks send none)
     "/health": (health, ("GET",), False), "/health_generate": (health, ("GET",), False),
     "/metrics": (metrics, ("GET",), False),
+    **_control.CONTROL_ROUTES, **_transfer.TRANSFER_ROUTES,
 }
 
 
@@ -925,14 +948,21 @@ def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
                          "token; give a key, or None to serve without one")
     service = _Service(driver or LocalDriver(ctl, generate), metrics or ControllerMetrics(ctl),
                        body_limit, upload_limit, fd_timeout, file_check_timeout,
-                       api_key is not None if process_groups is None else process_groups)
+                       api_key is not None if process_groups is None else process_groups,
+                       Generations(ctl.admission_timeout, ctl.drain_timeout))
+
+    service.transfer = _transfer.WeightTransfer()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if on_startup is not None:
             await on_startup()
         try:
-            yield
+            async with anyio.create_task_group() as tg:
+                # Rolls back a weight transfer its trainer abandoned (lifecycle.http._transfer).
+                tg.start_soon(_transfer.abandon_after, service)
+                yield
+                tg.cancel_scope.cancel()
         finally:
             if on_shutdown is not None:
                 await on_shutdown()

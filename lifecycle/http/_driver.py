@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
-import torch
 
 from .. import (
     LifecycleController,
@@ -26,8 +25,9 @@ from .. import (
     WeightUpdateGroupResult,
 )
 from .._discard import Discard
+from ._checker import WeightsChecker
 from ._transport import FD_TIMEOUT
-from ._wire import TensorRequest, decode_entry, device_uuid, pick_entry
+from ._wire import Decoded, TensorRequest, decode_entry, device_uuid, pick_entry
 
 __all__ = ["DISCARDED", "Driver", "Generate", "LocalDriver", "RanksUnavailable", "Upload"]
 
@@ -66,12 +66,22 @@ class Driver:
         """Server ranks that run every call."""
         raise NotImplementedError
 
-    async def sleep(self, discard: Discard = None) -> OccupationResult:
+    async def sleep(self, discard: Discard = None, components: Sequence[str] | None = None
+                    ) -> OccupationResult:
         """A release: ``discard`` as the body gave it (None: the controller's
-        ``discard_on_release``), JSON-able and already checked against the components."""
+        ``discard_on_release``), JSON-able and already checked against the components;
+        ``components``: those released (None: all)."""
         raise NotImplementedError
 
-    async def wake(self) -> OccupationResult:
+    async def wake(self, components: Sequence[str] | None = None) -> OccupationResult:
+        raise NotImplementedError
+
+    async def set_weight_version(self, label: str) -> None:
+        """Name the weights served ``label`` (``/update_weight_version``), on every rank."""
+        raise NotImplementedError
+
+    async def weights_checker(self, action: str) -> tuple[bool, str]:
+        """``/weights_checker``'s ``action`` on every rank: ``(success, message)``."""
         raise NotImplementedError
 
     async def update_from_disk(self, path: str, targets: Sequence[str] | None, *,
@@ -122,6 +132,7 @@ def local_state(ctl: LifecycleController) -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "phase": ctl.phase.value, "transition": ctl.transition, "in_flight": ctl.in_flight,
+        "asleep": sorted(ctl.asleep),
         "weights_version": ctl.weights_version, "weight_version": ctl.weight_version_label,
         "device": str(ctl.device), "device_uuid": device_uuid(ctl.device, ctl.rank),
         "rank": report.rank, "world_size": report.world_size,
@@ -145,6 +156,7 @@ class LocalDriver(Driver):
         self.ctl = ctl
         self._generate = generate
         self._uuid: str | None = None
+        self._checker = WeightsChecker()
 
     @property
     def world_size(self) -> int:
@@ -157,11 +169,18 @@ class LocalDriver(Driver):
             self._uuid = device_uuid(self.ctl.device, self.ctl.rank)
         return self._uuid
 
-    async def sleep(self, discard: Discard = None) -> OccupationResult:
-        return await self.ctl.release_memory_occupation(discard)
+    async def sleep(self, discard: Discard = None, components: Sequence[str] | None = None
+                    ) -> OccupationResult:
+        return await self.ctl.release_memory_occupation(discard, components=components)
 
-    async def wake(self) -> OccupationResult:
-        return await self.ctl.wake()
+    async def wake(self, components: Sequence[str] | None = None) -> OccupationResult:
+        return await self.ctl.wake(components=components)
+
+    async def set_weight_version(self, label: str) -> None:
+        self.ctl.weight_version_label = label
+
+    async def weights_checker(self, action: str) -> tuple[bool, str]:
+        return await self._checker.handle(self.ctl, action)
 
     async def update_from_disk(self, path: str, targets: Sequence[str] | None, *,
                                weight_version: str | None = None,
@@ -176,15 +195,18 @@ class LocalDriver(Driver):
         return await self.update_decoded(named, upload.request)
 
     async def decode(self, text: str | bytes | memoryview, index: int, request: TensorRequest,
-                     fd_timeout: float) -> list[tuple[str, torch.Tensor]]:
-        """Entry ``index`` decoded (in a worker thread) into the named tensors of the target;
-        raises :class:`~lifecycle.http._wire.WireRefused`."""
+                     fd_timeout: float) -> Decoded:
+        """Entry ``index`` decoded (in a worker thread) into the named tensors of each
+        target; raises :class:`~lifecycle.http._wire.WireRefused`."""
         return await anyio.to_thread.run_sync(functools.partial(
             decode_entry, text, index, request, self.ctl.components, fd_timeout=fd_timeout))
 
-    async def update_decoded(self, named: list[tuple[str, torch.Tensor]],
-                             request: TensorRequest) -> UpdateResult:
-        return await self.ctl.update_weights_from_tensors(named, request.targets[0],
+    async def update_decoded(self, named: Decoded, request: TensorRequest) -> UpdateResult:
+        if len(named) > 1:  # several modules: one update, all or nothing
+            return await self.ctl.update_weights_from_modules(
+                named, weight_version=request.weight_version, flush_cache=request.flush_cache)
+        return await self.ctl.update_weights_from_tensors(named[request.targets[0]],
+                                                          request.targets[0],
                                                           **request.options())
 
     async def checksum(self, names: Sequence[str]) -> dict[str, str]:

@@ -36,7 +36,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import torch
 
 from .. import (
     HostBudgetExceeded,
@@ -51,13 +50,14 @@ from .. import (
 )
 from .._discard import Discard
 from ._driver import Driver, LocalDriver, RanksUnavailable, Upload, local_state
-from ._wire import TensorRequest, WireRefused, group_refusal, pick_entry
+from ._wire import Decoded, TensorRequest, WireRefused, group_refusal, pick_entry
 
 __all__ = ["OpChannel", "OutputsDisagree", "RankDriver", "follow"]
 
 HEARTBEAT_S = 1.0
 STALE_S = 5.0
 _POLL_S = 0.005
+_ABORT_POLL_S = 0.05  # how often a rank running a generation looks for its abort
 # The largest value put in the store at once: its server refuses values over 8 MiB (an upload
 # is relayed in pieces of this size).
 _PIECE = 4 * 2**20
@@ -134,10 +134,17 @@ class OpChannel:
                 time.sleep(_POLL_S)
         return dict(sorted(failures.items()))
 
+    def abort(self, seq: int) -> None:
+        """Mark op ``seq`` (a generation) aborted: every rank ends its part of it."""
+        self.store.set(f"abort/{seq}", "1")
+
+    def aborted(self, seq: int) -> bool:
+        return self._has(f"abort/{seq}")
+
     def forget(self, seq: int) -> None:
         """Delete op ``seq``'s keys (every rank has answered it)."""
-        keys = [f"op/{seq}", *(f"{kind}/{seq}/{r}" for kind in ("answer", "agree")
-                               for r in range(self.world_size))]
+        keys = [f"op/{seq}", f"abort/{seq}", *(f"{kind}/{seq}/{r}" for kind in ("answer", "agree")
+                                               for r in range(self.world_size))]
         for key in keys:
             with contextlib.suppress(RuntimeError):
                 self.store.delete_key(key)
@@ -202,10 +209,10 @@ def _describe(failures: Mapping[int, str], world_size: int) -> str:
 
 async def _decoded(local: LocalDriver, channel: OpChannel, seq: int, text: Any, index: int,
                    request: TensorRequest, fd_timeout: float, timeout: float
-                   ) -> list[tuple[str, torch.Tensor]]:
+                   ) -> Decoded:
     """This rank's entry decoded, once every rank has decoded its own (``agree``); raises
     :class:`WireRefused` naming every rank that could not."""
-    named: list[tuple[str, torch.Tensor]] | None = None
+    named: Decoded | None = None
     error: str | None = None
     try:
         if callable(text):
@@ -238,9 +245,15 @@ async def _run_op(local: LocalDriver, channel: OpChannel, seq: int, op: Mapping[
     name, args = op["op"], op.get("args", {})
     try:
         if name == "sleep":  # discard as the body gave it (None: this rank's option)
-            return (await local.sleep(args.get("discard"))).as_dict()
+            return (await local.sleep(args.get("discard"), args.get("components"))).as_dict()
         if name == "wake":
-            return (await local.wake()).as_dict()
+            return (await local.wake(args.get("components"))).as_dict()
+        if name == "weights_checker":
+            success, message = await local.weights_checker(args["action"])
+            return {"success": success, "message": message}
+        if name == "set_weight_version":
+            await local.set_weight_version(args["label"])
+            return {"success": True}
         if name == "update_from_disk":
             return (await local.update_from_disk(
                 args["path"], args["targets"], weight_version=args.get("weight_version"),
@@ -291,9 +304,35 @@ async def follow(ctl: LifecycleController, local: LocalDriver, channel: OpChanne
                 await ctl.aclose()  # detach is collective: rank 0 detaches too
                 channel.answer(seq, {"stopped": True})
                 break
-            channel.answer(seq, await _run_op(local, channel, seq, op))
+            if op["op"] == "generate":
+                channel.answer(seq, await _abortable(local, channel, seq, op))
+            else:
+                channel.answer(seq, await _run_op(local, channel, seq, op))
             seq += 1
         tg.cancel_scope.cancel()
+
+
+async def _abortable(local: LocalDriver, channel: OpChannel, seq: int, op: Mapping[str, Any]
+                     ) -> dict[str, Any]:
+    """A generation on this rank, ended when rank 0 marks op ``seq`` aborted (its own
+    generation was aborted: see lifecycle.http._generations); nothing else is cancellable."""
+    answer: dict[str, Any] = {"error": "GenerationAborted",
+                              "message": "the generation was aborted on rank 0"}
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            while not await anyio.to_thread.run_sync(channel.aborted, seq):
+                await anyio.sleep(_ABORT_POLL_S)
+            tg.cancel_scope.cancel()
+
+        async def run() -> None:
+            nonlocal answer
+            answer = await _run_op(local, channel, seq, op)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        tg.start_soon(run)
+    return answer
 
 
 def _failed(answer: Mapping[str, Any]) -> str | None:
@@ -352,7 +391,10 @@ class RankDriver(Driver):
             except BaseException:
                 # Refused here (a generation while asleep or stale): the other ranks ran the
                 # op all the same; collect their answers so that the op's keys are deleted.
+                # A generation aborted here (cancelled) is aborted on every rank.
                 with anyio.CancelScope(shield=True):
+                    if name == "generate":
+                        await anyio.to_thread.run_sync(self.channel.abort, seq)
                     await anyio.to_thread.run_sync(self._drop, seq)
                 raise
             answers = await anyio.to_thread.run_sync(self.channel.answers, seq, self.timeout)
@@ -374,14 +416,34 @@ class RankDriver(Driver):
                           ) -> tuple[Any, dict[int, Any]]:
         return await self._call(op["op"], op.get("args", {}), lambda seq: here())
 
-    async def sleep(self, discard: Discard = None) -> OccupationResult:
-        result, _ = await self._everywhere({"op": "sleep", "args": {"discard": discard}},
-                                           lambda: self.local.sleep(discard))
+    async def sleep(self, discard: Discard = None, components: Sequence[str] | None = None
+                    ) -> OccupationResult:
+        args = {"discard": discard, "components": None if components is None else
+                list(components)}
+        result, _ = await self._everywhere({"op": "sleep", "args": args},
+                                           lambda: self.local.sleep(discard, components))
         return result  # type: ignore[no-any-return]
 
-    async def wake(self) -> OccupationResult:
-        result, _ = await self._everywhere({"op": "wake"}, self.local.wake)
+    async def wake(self, components: Sequence[str] | None = None) -> OccupationResult:
+        args = {"components": None if components is None else list(components)}
+        result, _ = await self._everywhere({"op": "wake", "args": args},
+                                           lambda: self.local.wake(components))
         return result  # type: ignore[no-any-return]
+
+    async def weights_checker(self, action: str) -> tuple[bool, str]:
+        (success, message), answers = await self._everywhere(
+            {"op": "weights_checker", "args": {"action": action}},
+            lambda: self.local.weights_checker(action))
+        failures = {r: why for r, a in answers.items() if (why := _failed(a)) is not None}
+        if not success:
+            failures[0] = message
+        if not failures:
+            return True, message
+        return False, _describe(failures, self.channel.world_size)
+
+    async def set_weight_version(self, label: str) -> None:
+        await self._everywhere({"op": "set_weight_version", "args": {"label": label}},
+                               lambda: self.local.set_weight_version(label))
 
     async def update_from_disk(self, path: str, targets: Sequence[str] | None, *,
                                weight_version: str | None = None,

@@ -39,7 +39,7 @@ from ._transport import (
     decode_modules,
 )
 
-__all__ = ["TensorRequest", "WireRefused", "decode_entry", "device_uuid", "group_refusal",
+__all__ = ["Decoded", "TensorRequest", "WireRefused", "decode_entry", "device_uuid", "group_refusal",
            "normalize_uuid", "pick_entry", "relative_names", "trainer_failed"]
 
 _SHOWN = 8  # UUIDs or names quoted in one message
@@ -123,12 +123,17 @@ class TensorRequest:
                 "flush_cache": self.flush_cache}
 
 
+# The named tensors of an upload, by module (one module, or several applied as one update).
+Decoded = dict[str, list[tuple[str, torch.Tensor]]]
+
+
 def decode_entry(text: str | bytes | bytearray | memoryview, index: int,
                  request: TensorRequest, components: Mapping[str, nn.Module], *,
-                 fd_timeout: float = FD_TIMEOUT) -> list[tuple[str, torch.Tensor]]:
+                 fd_timeout: float = FD_TIMEOUT) -> Decoded:
     """Entry ``index`` (its base64 ``text``; a writable view is decoded in place) as the named
-    tensors of the request's one target; raises :class:`WireRefused`. Blocking: run it in a
-    worker thread."""
+    tensors of each of the request's targets; raises :class:`WireRefused`. Several targets
+    need a payload keyed by module (the reference's rule) and are applied as one update.
+    Blocking: run it in a worker thread."""
     try:
         data = decode_base64(text)
         modules = decode_modules(data, request.load_format, request.targets,
@@ -138,16 +143,19 @@ def decode_entry(text: str | bytes | bytearray | memoryview, index: int,
     except TransportError as exc:
         raise WireRefused(f"Failed to deserialize serialized_named_tensors[{index}]: {exc}"
                           ) from None
-    if len(request.targets) != 1:
-        raise WireRefused(f"an update from tensors writes one module (all or nothing); got "
-                          f"target_modules {list(request.targets)}: send one request per module")
-    target = request.targets[0]
-    named = modules[target]
-    if not named:
-        raise WireRefused(f"serialized_named_tensors[{index}] holds no tensors for {target!r}; "
-                          "an update writes at least one, nothing was updated")
-    relative_names(components, named, target)
-    return named
+    if len(request.targets) > 1 and request.weight_update_mode == "lora_merge":
+        raise WireRefused(f"a LoRA merge writes one module; got target_modules "
+                          f"{list(request.targets)}: send one request per module")
+    out: Decoded = {}
+    for target in request.targets:
+        named = modules[target]
+        if not named:
+            raise WireRefused(f"serialized_named_tensors[{index}] holds no tensors for "
+                              f"{target!r}; an update writes at least one per module named, "
+                              "nothing was updated")
+        relative_names(components, named, target)
+        out[target] = list(named)
+    return out
 
 
 def relative_names(components: Mapping[str, nn.Module], named: Sequence[tuple[str, Any]],

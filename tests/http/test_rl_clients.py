@@ -105,14 +105,14 @@ def _keyed(module: str) -> Callable[[list[tuple[str, torch.Tensor]]], str]:
      "module payload, requested modules: ['transformer', 'vae']."),
     (lambda new: serialize({"transformer": new, "vae": []}),
      {"target_modules": ["transformer", "vae"]},
-     "an update from tensors writes one module (all or nothing); got target_modules "
-     "['transformer', 'vae']: send one request per module"),
-], ids=["missing", "missing-bucket", "ambiguous", "two-modules"])
+     "serialized_named_tensors[0] holds no tensors for 'vae'; an update writes at least one "
+     "per module named, nothing was updated"),
+], ids=["missing", "missing-bucket", "ambiguous", "two-modules-one-empty"])
 def test_payloads_that_do_not_match_the_target_modules_are_the_references_400s(
         served: Served, make: Callable[[list[tuple[str, torch.Tensor]]], str],
         extra: dict[str, Any], message: str) -> None:
-    """A dict lacking a targeted module, a bare payload for two modules, two modules in one
-    request: 400 with the reference's message (ours for the last); nothing changes."""
+    """A dict lacking a targeted module, a bare payload for two modules, two modules one of
+    them empty: 400 with the reference's message (ours for the last); nothing changes."""
     before = unchanged(served)
     new = random_like(transformer(served), seed=5)[:2]
     r = post(served, "/update_weights_from_tensor",

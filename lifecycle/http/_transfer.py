@@ -1,0 +1,339 @@
+"""vLLM's weight-transfer contract: ``/init_weight_transfer_engine {init_info}``,
+``/start_weight_update``, ``/update_weights {update_info}`` (one or more),
+``/finish_weight_update {weight_version}``, ordered as vLLM's RL state machine orders them
+(a misordered call is a 409 with vLLM's message, and changes nothing).
+
+One update is one transaction from start to finish. Two backends:
+
+* ``ipc`` (``init_info`` without ``master_address``): each ``/update_weights`` carries
+  ``update_info.ipc_handles_pickled``, base64 of torch's multiprocessing pickle of ``[(name,
+  tensor), ...]`` (names ``module.tensor``, or relative to the transformer) or of ``{module:
+  [...]}``, read by the tensor-upload path; optional ``names`` / ``dtype_names`` / ``shapes``
+  are checked against it. The tensors are only staged: finish writes every module as one
+  update (all or nothing); before it nothing of them is visible.
+* ``nccl`` (``init_info {master_address, master_port, rank_offset, world_size}``: the process
+  group path of lifecycle._weight_sync, gloo on a CPU server): the trainer broadcasts while it
+  posts ``update_info {names, dtype_names, shapes}``; each contiguous run of one module's
+  names is received as one update. Before a module is first written in the transaction its
+  tensors are copied to the host; an abandoned transaction writes those copies back as one
+  update. Generations wait from start to finish (the pause mode ``keep``), so no generation
+  sees a half-updated pipeline.
+
+One rank only (``serve`` without ``--nproc``): the copies and the staging are rank 0's; a
+server of several ranks refuses ``/init_weight_transfer_engine`` naming the process-group
+routes, which every rank serves.
+
+A transaction not finished within ``init_info.update_timeout`` seconds of its start (ours;
+default 300: the trainer gone), or whose update failed, is abandoned and rolled back; the next
+call says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .. import UpdateResult
+from ._app import _body, _refused, _Service, _service, _update_response
+from ._driver import RanksUnavailable
+from ._transport import TransportError, decode_base64, decode_modules
+from ._wire import WireRefused
+
+__all__ = ["TRANSFER_ROUTES", "WeightTransfer"]
+
+GROUP = "vllm_weight_transfer"
+DEFAULT_TIMEOUT = 300.0
+_NOT_STARTED = ("update_weights requires a preceding start_weight_update. "
+                "Call POST /start_weight_update first.")
+_FINISH_NOT_STARTED = "finish_weight_update called without a preceding start_weight_update."
+_STARTED = ("start_weight_update called while a weight update is already in progress.  "
+            "Call POST /finish_weight_update first.")
+
+
+@dataclass
+class WeightTransfer:
+    """One server's transfer engine and its transaction (event-loop thread only)."""
+
+    timeout: float = DEFAULT_TIMEOUT
+    backend: str | None = None
+    active: bool = False
+    started: float = 0.0
+    staged: dict[str, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
+    backups: dict[str, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
+    paused_by_us: bool = False
+    abandoned: str | None = None  # why the last transaction was rolled back
+
+    def expired(self) -> bool:
+        return self.active and time.monotonic() - self.started > self.timeout
+
+
+def _transfer(service: _Service) -> WeightTransfer:
+    transfer: WeightTransfer = service.transfer
+    return transfer
+
+
+def _conflict(message: str) -> Exception:
+    return _refused(message, 409, detail=message)
+
+
+async def _end(service: _Service, transfer: WeightTransfer) -> None:
+    transfer.active = False
+    transfer.staged, transfer.backups = {}, {}
+    if transfer.paused_by_us:
+        transfer.paused_by_us = False
+        service.generations.resume()
+
+
+async def _roll_back(service: _Service, transfer: WeightTransfer, why: str) -> None:
+    """Abandon the transaction: write the backups back (nccl), drop what is staged."""
+    backups = transfer.backups
+    transfer.abandoned = why
+    try:
+        if backups:
+            result = await service.ctl.update_weights_from_modules(backups)
+            if not result.success:
+                transfer.abandoned += f"; restoring the weights failed: {result.message}"
+    finally:
+        await _end(service, transfer)
+
+
+async def _check_expiry(service: _Service, transfer: WeightTransfer) -> None:
+    if transfer.expired():
+        await _roll_back(service, transfer, f"not finished within {transfer.timeout:g} s of "
+                                            "its start (the trainer gone?); rolled back")
+
+
+def _split(names: list[str], components: Mapping[str, Any]) -> list[tuple[str, list[int]]]:
+    """Contiguous runs of one module: (module, indices); a name without a module prefix is
+    the transformer's."""
+    runs: list[tuple[str, list[int]]] = []
+    for i, name in enumerate(names):
+        head, _, rest = name.partition(".")
+        module = head if rest and head in components else "transformer"
+        if runs and runs[-1][0] == module:
+            runs[-1][1].append(i)
+        else:
+            runs.append((module, [i]))
+    return runs
+
+
+def _relative(name: str, module: str) -> str:
+    return name.removeprefix(f"{module}.")
+
+
+async def init_weight_transfer_engine(request: Request) -> Response:
+    service = _service(request)
+    transfer = _transfer(service)
+    body = await _body(request, service.body_limit)
+    info = body.get("init_info")
+    if info is None:
+        raise _refused("Missing 'init_info' in request body")
+    if not isinstance(info, dict):
+        raise _refused(f"init_info must be an object, got {type(info).__name__}")
+    if transfer.active:
+        raise _conflict(_STARTED)
+    if service.driver.world_size > 1:  # its copies and staging are rank 0's alone
+        raise _refused(f"the weight-transfer routes serve one rank; this server has "
+                       f"{service.driver.world_size}: use /init_weights_update_group and "
+                       "/update_weights_from_distributed (every rank joins the trainer's group)")
+    timeout = info.get("update_timeout", DEFAULT_TIMEOUT)  # ours: seconds start -> finish
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise _refused(f"init_info.update_timeout must be a number of seconds above 0, got "
+                       f"{str(timeout)[:40]}")
+    transfer.timeout = float(timeout)
+    if "master_address" not in info:
+        transfer.backend = "ipc"
+        return JSONResponse({"message": "Weight transfer initialized", "backend": "ipc"})
+    if not service.process_groups:  # it joins a trainer's group: opt-in, as the group routes
+        raise _refused("the nccl weight transfer is disabled on this server: it connects to a "
+                       "trainer the client names; serve with --api-key KEY, or with "
+                       "--allow-process-groups on a trusted network", 403)
+    args: dict[str, Any] = {
+        "master_address": info.get("master_address"), "master_port": info.get("master_port"),
+        "rank_offset": info.get("rank_offset"), "world_size": info.get("world_size"),
+        "group_name": GROUP,
+        "backend": info.get("backend") or ("nccl" if service.ctl.device.type == "cuda"
+                                           else "gloo"),
+        "timeout": float(info.get("timeout", 60.0))}
+    try:
+        await service.driver.destroy_weights_update_group(GROUP)
+        result = await service.driver.init_weights_update_group(args)
+    except (WireRefused, RanksUnavailable) as exc:
+        raise _refused(str(exc)) from None
+    if not result.success:
+        raise _refused(result.message)
+    transfer.backend = "nccl"
+    return JSONResponse({"message": "Weight transfer initialized", "backend": "nccl"})
+
+
+async def start_weight_update(request: Request) -> Response:
+    service = _service(request)
+    transfer = _transfer(service)
+    await _body(request, service.body_limit)
+    await _check_expiry(service, transfer)
+    if transfer.backend is None:
+        raise _conflict("start_weight_update requires a preceding init_weight_transfer_engine. "
+                        "Call POST /init_weight_transfer_engine first.")
+    if transfer.active:
+        raise _conflict(_STARTED)
+    transfer.active, transfer.started, transfer.abandoned = True, time.monotonic(), None
+    if not service.generations.paused:  # no generation sees a half-updated pipeline
+        await service.generations.pause("keep")
+        transfer.paused_by_us = True
+    return JSONResponse({"message": "Weight update started"})
+
+
+def _decoded_ipc(service: _Service, info: Mapping[str, Any]
+                 ) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    payload = info.get("ipc_handles_pickled")
+    if not isinstance(payload, str):
+        raise WireRefused("update_info.ipc_handles_pickled is required for the ipc backend: "
+                          "base64 of the pickled [(name, tensor), ...]")
+    try:
+        data = decode_base64(payload)
+        bare = decode_modules(data, None, ("transformer",))["transformer"]
+    except TransportError as exc:
+        raise WireRefused(f"Failed to deserialize update_info.ipc_handles_pickled: {exc}"
+                          ) from None
+    names = [n for n, _ in bare]
+    for key, got in (("names", names), ("dtype_names",
+                                        [str(t.dtype).removeprefix("torch.") for _, t in bare]),
+                     ("shapes", [list(t.shape) for _, t in bare])):
+        want = info.get(key)
+        if want is not None:
+            want = [str(w).removeprefix("torch.") for w in want] if key == "dtype_names" else want
+            if want != got:
+                raise WireRefused(f"update_info.{key} does not match the tensors sent")
+    out: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for module, indices in _split(names, service.ctl.components):
+        out.setdefault(module, []).extend(
+            (_relative(names[i], module), bare[i][1]) for i in indices)
+    return out
+
+
+async def update_weights(request: Request) -> Response:
+    service = _service(request)
+    transfer = _transfer(service)
+    body = await _body(request, service.upload_limit)
+    info = body.get("update_info")
+    await _check_expiry(service, transfer)
+    if not transfer.active:
+        message = _NOT_STARTED if transfer.abandoned is None else \
+            f"{_NOT_STARTED} (the last update was abandoned: {transfer.abandoned})"
+        raise _conflict(message)
+    if info is None:
+        raise _refused("Missing 'update_info' in request body")
+    if not isinstance(info, dict):
+        raise _refused(f"update_info must be an object, got {type(info).__name__}")
+    if transfer.backend == "ipc":
+        try:
+            modules = await anyio.to_thread.run_sync(functools.partial(
+                _decoded_ipc, service, info))
+        except WireRefused as exc:
+            raise _refused(str(exc)) from None
+        for module, named in modules.items():
+            transfer.staged.setdefault(module, []).extend(named)
+        return JSONResponse({"message": "Weights updated", "staged": {
+            m: len(v) for m, v in transfer.staged.items()}})
+    return await _receive(service, transfer, info)
+
+
+async def _receive(service: _Service, transfer: WeightTransfer, info: Mapping[str, Any]
+                   ) -> Response:
+    """nccl: receive each module's run of the broadcast as one update, its tensors copied
+    to the host first (the transaction's backups)."""
+    names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes) and names
+            and all(isinstance(n, str) for n in names)):
+        await _roll_back(service, transfer, "update_info was not names, dtype_names and "
+                                            "shapes of one length (the broadcast cannot be "
+                                            "received)")
+        raise _refused("update_info needs names, dtype_names and shapes, lists of one length")
+    if info.get("packed"):
+        await _roll_back(service, transfer, "a packed broadcast is not received here")
+        raise _refused("packed broadcasts are not supported; send packed=false")
+    result: UpdateResult | None = None
+    for module, indices in _split(names, service.ctl.components):
+        relative = [_relative(names[i], module) for i in indices]
+        if module in service.ctl.components and module not in transfer.backups:
+            transfer.backups[module] = await service.ctl.tensor_copies(module, relative)
+        elif module in transfer.backups:
+            have = {n for n, _ in transfer.backups[module]}
+            transfer.backups[module] += await service.ctl.tensor_copies(
+                module, [n for n in relative if n not in have])
+        args = {"names": relative, "dtypes": [dtypes[i] for i in indices],
+                "shapes": [shapes[i] for i in indices], "group_name": GROUP,
+                "target_modules": [module], "timeout": transfer.timeout}
+        try:
+            result = await service.driver.update_weights_from_distributed(args)
+        except (WireRefused, RanksUnavailable) as exc:
+            await _roll_back(service, transfer, str(exc))
+            raise _refused(str(exc)) from None
+        if not result.success:
+            await _roll_back(service, transfer, result.message)
+            return _update_response(result, trainer=True)
+    assert result is not None
+    return JSONResponse({"message": "Weights updated", "version": result.version})
+
+
+async def finish_weight_update(request: Request) -> Response:
+    service = _service(request)
+    transfer = _transfer(service)
+    body = await _body(request, service.body_limit)
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str | int):
+        raise _refused(f"weight_version must be a string, got {type(version).__name__}")
+    await _check_expiry(service, transfer)
+    if not transfer.active:
+        message = _FINISH_NOT_STARTED if transfer.abandoned is None else \
+            f"{_FINISH_NOT_STARTED} (the last update was abandoned: {transfer.abandoned})"
+        raise _conflict(message)
+    label = None if version is None else str(version)
+    if transfer.backend == "ipc":
+        staged = transfer.staged
+        if not staged:
+            await _end(service, transfer)
+            raise _refused("no weights were sent between start and finish; nothing changed")
+        try:
+            result = await service.ctl.update_weights_from_modules(staged, weight_version=label)
+        finally:
+            await _end(service, transfer)
+        if not result.success:
+            transfer.abandoned = result.message
+            return _update_response(result)
+    else:
+        await _end(service, transfer)
+        if label is not None:
+            await service.driver.set_weight_version(label)
+    return JSONResponse({"message": "Weight update finished",
+                         "weight_version": service.ctl.weight_version_label})
+
+
+async def abandon_after(service: _Service) -> None:
+    """Roll an unfinished transaction back once it outlived its timeout (run by the server's
+    lifespan: one watchdog for every transaction; without one, the next call does it)."""
+    transfer = _transfer(service)
+    while True:
+        wait = transfer.timeout if not transfer.active else \
+            max(0.0, transfer.started + transfer.timeout - time.monotonic())
+        await anyio.sleep(min(wait, 1.0) if math.isfinite(wait) else 1.0)
+        await _check_expiry(service, transfer)
+
+
+TRANSFER_ROUTES: dict[str, tuple[Any, tuple[str, ...], bool]] = {
+    "/init_weight_transfer_engine": (init_weight_transfer_engine, ("POST",), True),
+    "/start_weight_update": (start_weight_update, ("POST",), True),
+    "/update_weights": (update_weights, ("POST",), True),
+    "/finish_weight_update": (finish_weight_update, ("POST",), True),
+}

@@ -1,0 +1,177 @@
+"""vLLM's weight-transfer contract over a real server on 127.0.0.1 (issue 33), in TRL's order
+(pause keep, start, update_weights, finish, resume): the ipc backend over the tensor path and
+the nccl backend over a gloo trainer's process group; one transaction from start to finish,
+misordered calls vLLM's 409s, an abandoned or failed transaction rolled back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from lifecycle import LifecycleController
+from lifecycle.demo import DemoPipeline
+from lifecycle.http import demo_generate
+from tests.http.clients import parameters, serialize
+from tests.http.server import Served, running_server
+from tests.ranks.trainer import Trainer
+
+pytestmark = [pytest.mark.service, pytest.mark.moves]
+
+NOT_STARTED = ("update_weights requires a preceding start_weight_update. "
+               "Call POST /start_weight_update first.")
+STARTED = ("start_weight_update called while a weight update is already in progress.  "
+           "Call POST /finish_weight_update first.")
+
+
+@pytest.fixture(autouse=True)
+def _quick_dns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RES_OPTIONS", "timeout:1 attempts:1")  # see tests/ranks/trainer.py
+
+
+@pytest.fixture
+def served() -> Iterator[Served]:
+    pipe = DemoPipeline.build(2**16)
+    with running_server(pipe, demo_generate(pipe), LifecycleController("cpu")) as s:
+        yield s
+
+
+def post(s: Served, path: str, body: Any = None, **params: Any) -> httpx.Response:
+    return s.client.post(path, json={} if body is None else body, params=params)
+
+
+def ipc_info(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """vLLM's ipc update_info: names, dtype names, shapes and the pickled tensors."""
+    return {"names": [n for n, _ in named],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "ipc_handles_pickled": serialize(named)}
+
+
+def prefixed(s: Served, module: str, delta: float) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{module}.{n}", t) for n, t in parameters(s.pipe.modules[module], delta)]
+
+
+def test_an_ipc_transfer_is_one_transaction_visible_only_at_finish(served: Served) -> None:
+    """TRL's order over ipc: two /update_weights (transformer, then VAE) change nothing until
+    /finish_weight_update, which writes both and labels them; generations wait meanwhile."""
+    before = served.ctl.weights_checksum()
+    new_t, new_v = prefixed(served, "transformer", 0.5), prefixed(served, "vae", -0.5)
+    assert post(served, "/init_weight_transfer_engine", {"init_info": {}}).json() == {
+        "message": "Weight transfer initialized", "backend": "ipc"}
+    assert post(served, "/pause", mode="keep", clear_cache="false").status_code == 200
+    assert post(served, "/start_weight_update").json() == {"message": "Weight update started"}
+    for chunk in (new_t, new_v):
+        r = post(served, "/update_weights", {"update_info": ipc_info(chunk)})
+        assert r.status_code == 200, r.text
+    assert served.ctl.weights_checksum() == before
+    r = post(served, "/finish_weight_update", {"weight_version": "3"})
+    assert r.json() == {"message": "Weight update finished", "weight_version": "3"}, r.text
+    got = dict(served.pipe.modules["transformer"].named_parameters())
+    assert all(torch.equal(got[n.removeprefix("transformer.")], t) for n, t in new_t)
+    got = dict(served.pipe.modules["vae"].named_parameters())
+    assert all(torch.equal(got[n.removeprefix("vae.")], t) for n, t in new_v)
+    assert post(served, "/resume").json() == {"status": "resumed"}
+    assert post(served, "/generate", {"seed": 1}).status_code == 200
+
+
+def test_misordered_and_hostile_transfer_calls_are_4xx_and_change_nothing(served: Served) -> None:
+    """start before init, update and finish before start, a second start: vLLM's 409s; a
+    missing init_info or update_info, a payload that is not one, names that do not match:
+    400s; a bad tensor staged fails the finish as a whole; the weights never change."""
+    before = (served.ctl.weights_checksum(), served.ctl.weights_version)
+    r = post(served, "/start_weight_update")
+    assert r.status_code == 409 and "init_weight_transfer_engine first" in r.json()["detail"]
+    assert post(served, "/init_weight_transfer_engine", {}).json()["message"] == \
+        "Missing 'init_info' in request body"
+    post(served, "/init_weight_transfer_engine", {"init_info": {}})
+    r = post(served, "/update_weights", {"update_info": ipc_info(prefixed(served, "vae", 1))})
+    assert (r.status_code, r.json()["detail"]) == (409, NOT_STARTED)
+    r = post(served, "/finish_weight_update", {})
+    assert (r.status_code, r.json()["detail"]) == (
+        409, "finish_weight_update called without a preceding start_weight_update.")
+    assert post(served, "/start_weight_update").status_code == 200
+    r = post(served, "/start_weight_update")
+    assert (r.status_code, r.json()["detail"]) == (409, STARTED)
+    for body, words in [({}, "Missing 'update_info' in request body"),
+                        ({"update_info": {"ipc_handles_pickled": "bm90IGEgcGlja2xl"}},
+                         "Failed to deserialize update_info.ipc_handles_pickled"),
+                        ({"update_info": {**ipc_info(prefixed(served, "vae", 1)),
+                                          "names": ["vae.nope"]}},
+                         "update_info.names does not match the tensors sent")]:
+        r = post(served, "/update_weights", body)
+        assert r.status_code == 400 and words in r.json()["message"], r.text
+    wrong = [("vae." + n, torch.zeros(1)) for n, _ in parameters(served.pipe.modules["vae"])][:1]
+    good = prefixed(served, "transformer", 1.0)
+    for chunk in (good, wrong):
+        assert post(served, "/update_weights", {"update_info": ipc_info(chunk)}).status_code == 200
+    r = post(served, "/finish_weight_update", {"weight_version": "x"})
+    assert r.status_code == 400 and r.json()["message"].startswith("Shape mismatch"), r.text
+    assert (served.ctl.weights_checksum(), served.ctl.weights_version) == before
+    assert served.client.get("/is_paused").json()["is_paused"] is False
+
+
+def test_an_abandoned_transfer_is_rolled_back_and_generation_goes_on(served: Served) -> None:
+    """A transaction not finished within init_info.update_timeout is dropped by the
+    watchdog: generation is unpaused, nothing changed, the next update says it was
+    abandoned; a new transaction works."""
+    before = served.ctl.weights_checksum()
+    post(served, "/init_weight_transfer_engine", {"init_info": {"update_timeout": 0.5}})
+    post(served, "/start_weight_update")
+    post(served, "/update_weights", {"update_info": ipc_info(prefixed(served, "vae", 1))})
+    assert served.client.get("/is_paused").json()["is_paused"] is True
+    deadline = time.monotonic() + 10
+    while served.client.get("/is_paused").json()["is_paused"]:
+        assert time.monotonic() < deadline, "never abandoned"
+        time.sleep(0.05)
+    r = post(served, "/update_weights", {"update_info": ipc_info(prefixed(served, "vae", 1))})
+    assert r.status_code == 409 and "abandoned: not finished within 0.5 s" in r.json()["detail"]
+    assert served.ctl.weights_checksum() == before
+    post(served, "/start_weight_update")
+    post(served, "/update_weights", {"update_info": ipc_info(prefixed(served, "vae", 2))})
+    assert post(served, "/finish_weight_update").status_code == 200
+    assert served.ctl.weights_checksum()["vae"] != before["vae"]
+
+
+def nccl_info(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    return {"names": [n for n, _ in named],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named]}
+
+
+def test_an_nccl_transfer_over_a_gloo_trainer_and_a_killed_trainer_rolls_back(
+        served: Served) -> None:
+    """The nccl backend on a CPU server: a gloo trainer broadcasts two modules' weights in one
+    /update_weights; finish labels them; in the next transaction the trainer dies mid-way
+    through the second module: the update fails and the first module is restored too."""
+    trainer = Trainer()
+    try:
+        port = trainer.init(world_size=2, group_name="vllm_weight_transfer")
+        r = post(served, "/init_weight_transfer_engine", {"init_info": {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "timeout": 10}})
+        assert r.status_code == 200, r.text
+        assert trainer.result() == ("init", "ok")
+        first = prefixed(served, "transformer", 0.25) + prefixed(served, "vae", 0.25)
+        post(served, "/start_weight_update")
+        trainer.broadcast([t for _, t in first])
+        r = post(served, "/update_weights", {"update_info": nccl_info(first)})
+        assert r.status_code == 200, r.text
+        assert trainer.result()[0] == "broadcast"
+        assert post(served, "/finish_weight_update", {"weight_version": "1"}).status_code == 200
+        synced = served.ctl.weights_checksum()
+        second = prefixed(served, "transformer", 1.0) + prefixed(served, "vae", 1.0)
+        post(served, "/start_weight_update")
+        trainer.broadcast([t for _, t in second], die_after=len(second) - 2)
+        r = post(served, "/update_weights", {"update_info": nccl_info(second)})
+        assert r.status_code == 400 and r.json()["rolled_back"] is True, r.text
+        assert served.ctl.weights_checksum() == synced
+        assert served.client.get("/get_weight_version").json() == {"weight_version": "1"}
+        r = post(served, "/finish_weight_update", {})
+        assert r.status_code == 409 and "abandoned" in r.json()["detail"]
+    finally:
+        trainer.kill()
