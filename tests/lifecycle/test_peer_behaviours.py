@@ -209,7 +209,7 @@ async def test_a_validation_request_that_raises_restores_the_previous_residency(
     a cancellation) undoes the plan: the old residency is back and serves exactly."""
     from lifecycle.demo import DemoPipeline
 
-    pipe = DemoPipeline.build(2**18)
+    pipe = DemoPipeline.build(2**16)
     expected = pipe.forward_sync(steps=2)
     layer = FaultyDevice()
     uses = ["text_encoder", "transformer", "vae"]
@@ -479,7 +479,7 @@ async def test_a_residency_hand_off_releases_the_old_owner_before_loading_the_ne
     larger of the two, not at both, and serves exactly after."""
     from lifecycle.demo import DemoPipeline
 
-    pipe = DemoPipeline.build(2**18)
+    pipe = DemoPipeline.build(2**16)
     expected = pipe.forward_sync(steps=2)
     async with LifecycleController(device_layer=FaultyDevice(), residency=SWAP_FROM) as ctl:
         await ctl.attach(pipe)
@@ -501,7 +501,7 @@ async def test_a_hand_off_whose_load_fails_at_any_point_puts_the_old_owner_back(
     from lifecycle import TransitionFailed
     from lifecycle.demo import DemoPipeline
 
-    pipe = DemoPipeline.build(2**18)
+    pipe = DemoPipeline.build(2**16)
     expected = pipe.forward_sync(steps=2)
     layer = FaultyDevice()
     async with LifecycleController(device_layer=layer, residency=SWAP_FROM) as ctl:
