@@ -9,7 +9,8 @@ wire table for each route's reference):
   ``GET /is_paused`` and ``/abort_requests`` ``{"request_ids"}``.
 * **Versions and checks**: ``/update_weight_version`` ``{"new_version",
   "abort_all_requests"}``, SGLang's ``/weights_checker`` ``{"action": "snapshot"|
-  "reset_tensors"|"compare"}``, ``GET /get_world_size``.
+  "reset_tensors"|"compare"}``, vLLM's ``/weight_checker {"action": "checksum"|"reset"|
+  "compare", "baseline"}``, ``GET /get_world_size``.
 
 Bodies are checked like every other route's (unknown fields ignored); refusals are 4xx and
 change nothing.
@@ -23,6 +24,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .. import WeightsDiscarded
 from .._errors import InvalidRequest
 from .._select import resolve_tags
 from ._app import _body, _field, _refused, _Service, _service, _transition
@@ -217,6 +219,45 @@ async def weights_checker(request: Request) -> Response:
                         status_code=200 if success else 400)
 
 
+async def weight_checker(request: Request) -> Response:
+    """vLLM's ``/weight_checker {"action": "checksum"|"reset"|"compare", "baseline"}``: the
+    caller keeps the baseline (``{"module.tensor": sha256}``, from ``checksum``); an engine
+    paused or (partly) asleep is a 409, as vLLM's."""
+    service = _service(request)
+    body = await _body(request, service.body_limit)
+    action = body.get("action")
+    if action not in ("checksum", "reset", "compare"):
+        message = f"action must be one of checksum|reset|compare, got {str(action)[:40]!r}"
+        raise _refused(message, detail=message)
+    ctl = service.ctl
+    if service.generations.paused or ctl.asleep or ctl.phase.value != "awake":
+        message = "weight_checker requires an awake, unpaused engine"
+        raise _refused(message, 409, detail=message)
+    baseline = body.get("baseline")
+    if action == "compare" and not isinstance(baseline, dict):
+        message = "action='compare' requires a 'baseline' object"
+        raise _refused(message, detail=message)
+    if action == "reset":
+        try:
+            success, message = await service.driver.weights_checker("reset_tensors")
+        except RanksUnavailable as exc:
+            raise _refused(str(exc), 503) from None
+        if not success:
+            raise _refused(message)
+        return JSONResponse({"status": "reset"})
+    try:
+        hashes = await ctl.tensor_hashes()
+    except WeightsDiscarded as exc:
+        raise _refused(str(exc)) from None
+    checksums = {f"{c}.{n}": h for c, named in hashes.items() for n, h in named.items()}
+    if action == "checksum":
+        return JSONResponse({"checksums": checksums})
+    assert isinstance(baseline, dict)
+    mismatches = sorted({n for n, h in baseline.items() if checksums.get(str(n)) != h}
+                        | (checksums.keys() - {str(n) for n in baseline}))
+    return JSONResponse({"match": not mismatches, "mismatches": mismatches})
+
+
 async def get_world_size(request: Request) -> Response:
     """vLLM's ``GET /get_world_size`` (``include_dp`` accepted: there is no data parallelism
     here, so both answers are the ranks that serve)."""
@@ -237,5 +278,6 @@ CONTROL_ROUTES: dict[str, tuple[Handler, tuple[str, ...], bool]] = {
     "/abort_requests": (abort_requests, ("POST",), True),
     "/update_weight_version": (update_weight_version, ("POST",), True),
     "/weights_checker": (weights_checker, ("POST",), True),
+    "/weight_checker": (weight_checker, ("POST",), True),
     "/get_world_size": (get_world_size, ("GET",), True),
 }

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lifecycle import LifecycleController
-from tests.http.clients import parameters, serialize
+from tests.http.clients import parameters, serialize, tensor_sha256
 from tests.http.server import Served, running_server
 from tests.http.slow_pipeline import factory
 
@@ -297,6 +297,30 @@ def test_the_weights_checker_names_every_tensor_a_reset_changed_until_a_sync_res
     assert post(served, "/weights_checker", {"action": "compare"}).json()["success"] is True
     r = post(served, "/weights_checker", {"action": "checksum_all"})
     assert r.status_code == 400 and r.json()["message"].startswith("Unsupported action=")
+
+
+def test_vllms_weight_checker_compares_with_the_callers_baseline(served: Served) -> None:
+    """vLLM's /weight_checker: checksum gives every tensor's hash; compare with it matches,
+    with one hash changed names that tensor; a bad action is a 400, a paused engine a 409."""
+    sums = post(served, "/weight_checker", {"action": "checksum"}).json()["checksums"]
+    assert {n.partition(".")[0] for n in sums} == {"text_encoder", "transformer", "vae"}
+    assert sums["transformer.x_proj.bias"] == tensor_sha256(
+        served.pipe.modules["transformer"].get_parameter("x_proj.bias"))
+    r = post(served, "/weight_checker", {"action": "compare", "baseline": sums})
+    assert r.json() == {"match": True, "mismatches": []}
+    changed = {**sums, "transformer.x_proj.bias": "0" * 64}
+    r = post(served, "/weight_checker", {"action": "compare", "baseline": changed})
+    assert r.json() == {"match": False, "mismatches": ["transformer.x_proj.bias"]}
+    r = post(served, "/weight_checker", {"action": "snapshot"})
+    assert r.status_code == 400 and r.json()["detail"] == \
+        "action must be one of checksum|reset|compare, got 'snapshot'"
+    r = post(served, "/weight_checker", {"action": "compare"})
+    assert (r.status_code, r.json()["detail"]) == (400, "action='compare' requires a 'baseline' "
+                                                        "object")
+    post(served, "/pause", mode="keep")
+    r = post(served, "/weight_checker", {"action": "checksum"})
+    assert (r.status_code, r.json()["detail"]) == (
+        409, "weight_checker requires an awake, unpaused engine")
 
 
 def test_a_multi_module_upload_with_one_bad_tensor_changes_no_module(served: Served) -> None:
