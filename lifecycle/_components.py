@@ -75,16 +75,18 @@ _managed: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Components], in
     weakref.WeakKeyDictionary()
 
 
-def refuse_managed(found: Mapping[str, nn.Module], controller_id: int, phase: Phase) -> None:
-    """Before an attach moves anything: refuse modules another controller manages, naming
-    it (as diffusers refuses a second offload manager on one module)."""
+def refuse_managed(found: Mapping[str, nn.Module], controller_id: int, phase: Phase,
+                   trigger: str = "attach") -> None:
+    """Before an attach (or an add_component) moves anything: refuse modules another
+    controller manages, naming it (as diffusers refuses a second offload manager on one
+    module)."""
     for name, module in found.items():
         for sub in module.modules():
             owner = _managed.get(sub)
             if owner is not None and owner[1] != controller_id and owner[0]() is not None:
                 what = "" if sub is module else f" (its {type(sub).__name__})"
                 raise TransitionRejected(
-                    "attach", phase, f"component {name!r}{what} is managed by controller "
+                    trigger, phase, f"component {name!r}{what} is managed by controller "
                     f"{owner[1]} as component {owner[2]!r}: detach it there first")
 
 
@@ -281,12 +283,25 @@ class Components(Mapping[str, Component]):
         self._by_name, self._enabled = components, enabled
         self.asleep = frozenset()
         for c in components.values():
-            for sub in c.module.modules():
-                _managed[sub] = (weakref.ref(self), self._controller_id, c.name)
-            check = functools.partial(self.check_forward, c.name)
-            c.strategy.forward_check = check
-            c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
-                                   root_check=functools.partial(self._check_compute, c))
+            self._guard(c)
+
+    def _guard(self, c: Component) -> None:
+        """Register ``c``'s modules as this controller's and check its forwards."""
+        for sub in c.module.modules():
+            _managed[sub] = (weakref.ref(self), self._controller_id, c.name)
+        check = functools.partial(self.check_forward, c.name)
+        c.strategy.forward_check = check
+        c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
+                               root_check=functools.partial(self._check_compute, c))
+
+    def _unguard(self, c: Component) -> None:
+        """Undo :meth:`_guard` (detach, remove_component)."""
+        if c.guard:
+            c.guard.remove()
+        for sub in c.module.modules():
+            owner = _managed.get(sub)
+            if owner is not None and owner[0]() is self:
+                del _managed[sub]
 
     def _check_compute(self, c: Component) -> None:
         """The device layer's stream and graph-capture check, for a component whose weights
@@ -299,12 +314,7 @@ class Components(Mapping[str, Component]):
         """Forget every component (detach): guards and hooks removed, layerwise marks
         taken back."""
         for c in self._by_name.values():
-            if c.guard:
-                c.guard.remove()
-            for sub in c.module.modules():
-                owner = _managed.get(sub)
-                if owner is not None and owner[0]() is self:
-                    del _managed[sub]
+            self._unguard(c)
         abandon(self._by_name.values(), self._enabled)
         self._by_name, self._enabled = {}, []
         self.asleep = frozenset()
@@ -394,19 +404,12 @@ class Components(Mapping[str, Component]):
                 raise TransitionRejected(trigger, phase, f"module {type(module).__name__} of "
                                          f"{name!r} is (or shares modules with) component "
                                          f"{other.name!r}: a module is managed once")
-        if any(isinstance(getattr(hook, "__self__", None), ComputeGuard)
-               for m in module.modules() for hook in m._forward_pre_hooks.values()):
-            raise TransitionRejected(trigger, phase, f"module {type(module).__name__} of "
-                                     f"{name!r} is managed by another controller (its forwards "
-                                     "are guarded by one): detach it there first")
+        refuse_managed({name: module}, self._controller_id, phase, trigger)
 
     def add(self, c: Component, enabled: list[nn.Module]) -> None:
         """Take ``c`` (built and placed by ``add_component``) as one more attached component,
         its forwards checked. A new mapping: iterations in progress see the old one."""
-        check = functools.partial(self.check_forward, c.name)
-        c.strategy.forward_check = check
-        c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
-                               root_check=self._layer.check_compute)
+        self._guard(c)
         self._by_name = {**self._by_name, c.name: c}
         self._enabled = [*self._enabled, *enabled]
 
@@ -435,8 +438,7 @@ class Components(Mapping[str, Component]):
         """Forget component ``name`` (its move to the host committed): guard and hooks
         removed, a layerwise mark we made taken back. A new mapping, as in :meth:`add`."""
         c = self._by_name[name]
-        if c.guard:
-            c.guard.remove()
+        self._unguard(c)
         abandon([c], [m for m in self._enabled if m is c.module])
         self._by_name = {n: other for n, other in self._by_name.items() if n != name}
         self._enabled = [m for m in self._enabled if m is not c.module]

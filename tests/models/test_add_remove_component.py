@@ -195,11 +195,29 @@ async def test_adding_a_module_another_controller_manages_is_refused() -> None:
     other = LifecycleController("cpu")
     clip = CLIP.build(3)
     await other.attach({"text_encoder": clip})
-    with pytest.raises(TransitionRejected, match="managed by another controller"):
+    with pytest.raises(TransitionRejected, match=f"managed by controller {other.id} as "
+                                                 "component 'text_encoder'"):
         await ctl.add_component("text_encoder_2", clip)
     assert list(ctl.components) == ["text_encoder", "transformer"]
     async with other.use("text_encoder") as module:
         assert torch.equal(CLIP.run(module), CLIP.run(CLIP.build(3)))
+    await other.aclose()
+    await ctl.aclose()
+
+
+async def test_an_added_component_is_registered_until_it_is_removed() -> None:
+    """A module added to one controller is refused by another's attach (as at attach), and
+    accepted there once it has been removed."""
+    ctl, _ = await served()
+    clip = CLIP.build(4)
+    await ctl.add_component("text_encoder_2", clip)
+    other = LifecycleController("cpu")
+    with pytest.raises(TransitionRejected, match=f"managed by controller {ctl.id} as "
+                                                 "component 'text_encoder_2'"):
+        await other.attach({"text_encoder": clip})
+    await ctl.remove_component("text_encoder_2")
+    await other.attach({"text_encoder": clip})
+    assert list(other.components) == ["text_encoder"]
     await other.aclose()
     await ctl.aclose()
 
