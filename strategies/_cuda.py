@@ -84,8 +84,11 @@ class CudaDevice(DeviceLayer):
       transitions first synchronize the device (``needs_sync``: the controller's gate), and
       a dirty evict waits on its own copy's event on the host (``wait_host``), not on the
       whole device;
-    * forwards run on the default stream and never under graph capture (``check_compute``),
-      so "the compute stream" above is one known stream.
+    * forwards of components whose weights move around them run on the default stream and
+      never under graph capture (``check_compute``, asked by the controller for every
+      component but a resident one), so "the compute stream" above is one known stream; a
+      resident component's forwards may run anywhere: its weights stay put while awake, and a
+      transition synchronizes the device before it moves them.
     """
 
     pinned = True
@@ -123,7 +126,8 @@ class CudaDevice(DeviceLayer):
         self.own_streams = False
         _log.warning("residency: the CUDA layer of %s could not create a stream of its own "
                      "(%s): its copies use torch's pooled streams (shared with other libraries, "
-                     "default priority)", self.device, self._rt.error_name(err))
+                     "default priority)", self.device,
+                     self._rt.error_name(err) if err else "torch's CUDA runtime library not found")
         return self._rt.new_stream()
 
     def _record_on(self, t: torch.Tensor, stream: Stream) -> None:
