@@ -292,6 +292,12 @@ class SyncLifecycleController:
                                      "how many tensors.")
     weight_update_groups = _read(
         lambda c: c.weight_update_groups, "This rank's weight update groups by name.")
+    asleep = _read(lambda c: c.asleep, "The components asleep now (some after a partial sleep).")
+    admission_timeout = _read(lambda c: c.admission_timeout,
+                              "Seconds a use waits for a transition to end (None: as long as "
+                              "it takes).")
+    drain_timeout = _read(lambda c: c.drain_timeout,
+                          "Seconds a transition waits for the uses in flight to end.")
 
     @property
     def auto_wake(self) -> bool:
@@ -329,6 +335,9 @@ class SyncLifecycleController:
     weights_checksum = _awaited(LifecycleController.weights_checksum_async)
     weights_checksum_across_ranks = _awaited(LifecycleController.weights_checksum_across_ranks)
     check_tensor_hashes = _awaited(LifecycleController.check_tensor_hashes)
+    tensor_hashes = _awaited(LifecycleController.tensor_hashes)
+    tensor_copies = _awaited(LifecycleController.tensor_copies)
+    update_weights_from_modules = _awaited(LifecycleController.update_weights_from_modules)
 
     def set_residency(self, residency: ResidencyConfig | str | Mapping[str, str]
                       | list[str] | ResidencyPlan | None, *,
@@ -357,6 +366,7 @@ class SyncLifecycleController:
     init_weights_update_group = _awaited(LifecycleController.init_weights_update_group)
     destroy_weights_update_group = _awaited(LifecycleController.destroy_weights_update_group)
     update_weights_from_distributed = _awaited(LifecycleController.update_weights_from_distributed)
+    stop_weight_sync = _in_loop(LifecycleController.stop_weight_sync)
 
     # -- uses --------------------------------------------------------------------------
     @contextmanager
