@@ -943,13 +943,7 @@ class WeightSync:
         (lock, vote, gate, two-phase writes); around it the group is kept in step with the
         trainer (see the module doc)."""
         started = time.monotonic()
-        group = self._group(group_name)
-        self._refuse_when_closing(group.name)
-        group.check()
-        async with group.lock:
-            if self._groups.get(group.name) is not group:  # destroyed while we waited
-                raise WeightSyncGroupMissing(group.name, list(self._groups))
-            group.check()
+        async with self._locked(group_name) as group:
             return await self._update(run, stores, bases, group, names, dtypes, shapes,
                                       target_modules, weight_update_mode, lora_alpha,
                                       lora_rank, timeout, bucket_bytes, started)
@@ -990,6 +984,37 @@ class WeightSync:
         :class:`InvalidRequest` (the broadcast drained, as every refusal's). A failed
         broadcast breaks the group and raises :class:`WeightSyncTransferFailed`."""
         started = time.monotonic()
+        async with self._locked(group_name) as group, self._in_step(group, started) as request:
+            request.specs = specs = parse_specs(names, dtypes, shapes)
+            request.progress.total = len(specs)
+            request.deadline = started + float(_positive("timeout", timeout))
+            bound = self.limits.max_staging_bytes
+            total = held + sum(_slot(s.nbytes) for s in specs)
+            if total > bound:
+                raise InvalidRequest("names", f"staging these {len(specs)} tensor(s) "
+                                              f"would hold {total} bytes ({held} staged "
+                                              f"before), over the {bound} bytes one group "
+                                              f"may stage (max_staging_bytes): send fewer "
+                                              f"or smaller tensors; nothing was staged")
+            buckets = _buckets(specs, group.bucket_bytes)
+            size = max(sum(_slot(specs[i].nbytes) for i in b) for b in buckets)
+            buffer = await group.staging(size, request.deadline)
+            out: list[torch.Tensor] = []
+            try:
+                for bucket in buckets:
+                    views = await group.receive([specs[i] for i in bucket], buffer,
+                                                request.deadline, request.progress)
+                    # copies: the next bucket reuses the buffer (blocking: in a thread)
+                    out += await anyio.to_thread.run_sync(functools.partial(
+                        _host_copies, views))
+            finally:
+                del buffer
+            return out
+
+    @asynccontextmanager
+    async def _locked(self, group_name: object) -> AsyncIterator[WeightUpdateGroup]:
+        """The group named, held for one update or receive (refused when absent, broken,
+        destroyed while waiting for it, or the server is shutting down)."""
         group = self._group(group_name)
         self._refuse_when_closing(group.name)
         group.check()
@@ -997,32 +1022,7 @@ class WeightSync:
             if self._groups.get(group.name) is not group:  # destroyed while we waited
                 raise WeightSyncGroupMissing(group.name, list(self._groups))
             group.check()
-            async with self._in_step(group, started) as request:
-                request.specs = specs = parse_specs(names, dtypes, shapes)
-                request.progress.total = len(specs)
-                request.deadline = started + float(_positive("timeout", timeout))
-                bound = self.limits.max_staging_bytes
-                total = held + sum(_slot(s.nbytes) for s in specs)
-                if total > bound:
-                    raise InvalidRequest("names", f"staging these {len(specs)} tensor(s) "
-                                                  f"would hold {total} bytes ({held} staged "
-                                                  f"before), over the {bound} bytes one group "
-                                                  f"may stage (max_staging_bytes): send fewer "
-                                                  f"or smaller tensors; nothing was staged")
-                buckets = _buckets(specs, group.bucket_bytes)
-                size = max(sum(_slot(specs[i].nbytes) for i in b) for b in buckets)
-                buffer = await group.staging(size, request.deadline)
-                out: list[torch.Tensor] = []
-                try:
-                    for bucket in buckets:
-                        views = await group.receive([specs[i] for i in bucket], buffer,
-                                                    request.deadline, request.progress)
-                        # copies: the next bucket reuses the buffer (blocking: in a thread)
-                        out += await anyio.to_thread.run_sync(functools.partial(
-                            _host_copies, views))
-                finally:
-                    del buffer
-                return out
+            yield group
 
     @asynccontextmanager
     async def _in_step(self, group: WeightUpdateGroup, started: float

@@ -181,6 +181,18 @@ def sums(s: Served) -> Any:
     return post(s, "/get_weights_checksum").json()
 
 
+def state(s: Served) -> tuple[Any, int, Any]:
+    """What a rolled-back transaction leaves as it was: checksums, version, label."""
+    return sums(s), s.ctl.weights_version, s.client.get("/get_weight_version").json()
+
+
+def stage(s: Served, trainer: Trainer, named: list[tuple[str, torch.Tensor]]) -> None:
+    """One /update_weights that stages ``named`` (the trainer's broadcast completed)."""
+    r = send(s, trainer, named)
+    assert r.status_code == 200, r.text
+    assert trainer.result()[0] == "broadcast"
+
+
 def trainers_sum(named: list[tuple[str, torch.Tensor]], module: str) -> str:
     """The checksum a trainer computes of the weights it sent for ``module``."""
     return reference_checksum([(n.removeprefix(f"{module}."), t) for n, t in named])
@@ -217,23 +229,19 @@ def test_an_abandoned_nccl_transfer_leaves_the_weights_and_version_as_they_were(
     watchdog: what it staged is gone, the weights, version and label are the old ones, and
     the group still serves the next transaction."""
     served, trainer = grouped
-    before = (sums(served), served.ctl.weights_version,
-              served.client.get("/get_weight_version").json())
+    before = state(served)
     post(served, "/start_weight_update")
-    assert send(served, trainer, prefixed(served, "vae", 1.0)).status_code == 200
-    assert trainer.result()[0] == "broadcast"
+    stage(served, trainer, prefixed(served, "vae", 1.0))
     deadline = time.monotonic() + 10
     while served.client.get("/is_paused").json()["is_paused"]:
         assert time.monotonic() < deadline, "never abandoned"
         time.sleep(0.05)
     r = post(served, "/finish_weight_update", {"weight_version": "2"})
     assert r.status_code == 409 and "abandoned: not finished within 1 s" in r.json()["detail"]
-    assert (sums(served), served.ctl.weights_version,
-            served.client.get("/get_weight_version").json()) == before
+    assert state(served) == before
     post(served, "/start_weight_update")
     new_v = prefixed(served, "vae", 2.0)
-    assert send(served, trainer, new_v).status_code == 200
-    assert trainer.result()[0] == "broadcast"
+    stage(served, trainer, new_v)
     assert post(served, "/finish_weight_update").status_code == 200
     assert sums(served)["vae"] == trainers_sum(new_v, "vae")
 
@@ -244,16 +252,13 @@ def test_a_trainer_killed_mid_transfer_leaves_the_weights_and_version_as_they_we
     /update_weights fails (400, rolled back), the transaction is dropped, and the weights,
     version and label are exactly the old ones."""
     served, trainer = grouped
-    before = (sums(served), served.ctl.weights_version,
-              served.client.get("/get_weight_version").json())
+    before = state(served)
     post(served, "/start_weight_update")
-    assert send(served, trainer, prefixed(served, "transformer", 1.0)).status_code == 200
-    assert trainer.result()[0] == "broadcast"
+    stage(served, trainer, prefixed(served, "transformer", 1.0))
     r = send(served, trainer, prefixed(served, "vae", 1.0), die_after=9)
     assert r.status_code == 400 and r.json()["rolled_back"] is True, r.text
     assert "tensor 10/18" in r.json()["message"]
-    assert (sums(served), served.ctl.weights_version,
-            served.client.get("/get_weight_version").json()) == before
+    assert state(served) == before
     r = post(served, "/finish_weight_update", {})
     assert r.status_code == 409 and "abandoned" in r.json()["detail"]
 
@@ -268,8 +273,7 @@ def test_staging_past_the_bound_is_a_400_naming_it_and_the_broadcast_is_drained(
     before = sums(served)
     post(served, "/start_weight_update")
     for module in ("transformer", "vae"):
-        assert send(served, trainer, prefixed(served, module, 1.0)).status_code == 200
-        assert trainer.result()[0] == "broadcast"
+        stage(served, trainer, prefixed(served, module, 1.0))
     r = send(served, trainer, prefixed(served, "text_encoder", 1.0))
     assert r.status_code == 400 and "over the 200000 bytes one group may stage " \
         "(max_staging_bytes)" in r.json()["message"], r.text
@@ -278,7 +282,6 @@ def test_staging_past_the_bound_is_a_400_naming_it_and_the_broadcast_is_drained(
     assert sums(served) == before
     post(served, "/start_weight_update")
     new_v = prefixed(served, "vae", 2.0)
-    assert send(served, trainer, new_v).status_code == 200
-    assert trainer.result()[0] == "broadcast"
+    stage(served, trainer, new_v)
     assert post(served, "/finish_weight_update").status_code == 200
     assert sums(served) == {**before, "vae": trainers_sum(new_v, "vae")}
