@@ -285,3 +285,22 @@ def test_staging_past_the_bound_is_a_400_naming_it_and_the_broadcast_is_drained(
     stage(served, trainer, new_v)
     assert post(served, "/finish_weight_update").status_code == 200
     assert sums(served) == {**before, "vae": trainers_sum(new_v, "vae")}
+
+
+@pytest.mark.parametrize("grouped", [1], indirect=True)
+def test_a_trainer_stalled_mid_transfer_meets_the_transactions_deadline(
+        grouped: tuple[Served, Trainer]) -> None:
+    """A trainer that stops broadcasting mid-way: the receive ends at the transaction's own
+    deadline (update_timeout 1 s from its start), a 400 rolled back, and the weights,
+    version and label are exactly the old ones."""
+    served, trainer = grouped
+    before = state(served)
+    post(served, "/start_weight_update")
+    t0 = time.monotonic()
+    r = send(served, trainer, prefixed(served, "vae", 1.0), stall_after=5)
+    assert r.status_code == 400 and r.json()["rolled_back"] is True, r.text
+    assert "the update's deadline passed at tensor 6/18" in r.json()["message"]
+    assert time.monotonic() - t0 < 10
+    assert state(served) == before
+    r = post(served, "/finish_weight_update", {})
+    assert r.status_code == 409 and "abandoned" in r.json()["detail"]
