@@ -357,6 +357,7 @@ class SyncLifecycleController:
     init_weights_update_group = _awaited(LifecycleController.init_weights_update_group)
     destroy_weights_update_group = _awaited(LifecycleController.destroy_weights_update_group)
     update_weights_from_distributed = _awaited(LifecycleController.update_weights_from_distributed)
+    receive_from_distributed = _awaited(LifecycleController.receive_from_distributed)
 
     # -- uses --------------------------------------------------------------------------
     @contextmanager
