@@ -919,6 +919,18 @@ class LifecycleController:
             weight_update_mode=weight_update_mode, lora_alpha=lora_alpha, lora_rank=lora_rank,
             timeout=timeout, bucket_bytes=bucket_bytes))
 
+    async def receive_from_distributed(
+            self, names: Sequence[str], dtypes: Sequence[str | torch.dtype],
+            shapes: Sequence[Sequence[int]], group_name: str = "weight_update_group", *,
+            timeout: float = DEFAULT_TIMEOUT, held: int = 0) -> list[torch.Tensor]:
+        """Receive the tensors the trainer broadcasts over ``group_name`` into host tensors
+        (one per name, in list order), written nowhere: the caller stages them and writes
+        them later as one update (``update_weights_from_modules``). ``held``: bytes already
+        staged from the group, counted against its ``max_staging_bytes`` (see
+        lifecycle._weight_sync). Not a transition: nothing moves, the weights are untouched."""
+        return await self._weight_sync.receive_tensors(
+            group_name, names, dtypes, shapes, timeout=timeout, held=held)
+
     def _answer(self, result: UpdateResult) -> UpdateResult:
         """An update's result, stamped with the rank, the weight version label and the
         components still stale (lifecycle._discard)."""

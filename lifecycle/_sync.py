@@ -367,6 +367,7 @@ class SyncLifecycleController:
     destroy_weights_update_group = _awaited(LifecycleController.destroy_weights_update_group)
     update_weights_from_distributed = _awaited(LifecycleController.update_weights_from_distributed)
     stop_weight_sync = _in_loop(LifecycleController.stop_weight_sync)
+    receive_from_distributed = _awaited(LifecycleController.receive_from_distributed)
 
     # -- uses --------------------------------------------------------------------------
     @contextmanager

@@ -23,6 +23,12 @@ ranks the collective vote decides. A request of at most ``bucket_bytes`` is rece
 before anything is written; a larger one is received a bucket at a time, each bucket written
 undoably before the next arrives.
 
+**Received, not written.** :meth:`WeightSync.receive_tensors` receives a broadcast the same
+way (the group's process, its buffer, the canaries, one deadline, a refusal drained) into
+host copies that nothing writes: vLLM's weight-transfer contract (lifecycle.http._transfer)
+stages them from ``/update_weights`` to ``/finish_weight_update`` and writes them there as one
+update; what a transaction stages counts against ``max_staging_bytes``.
+
 **Receive in isolation.** Each group's transport runs in a process of its own
 (:mod:`lifecycle._weight_sync_child`, forked from a fork server), which joins the trainer's
 group and receives each broadcast into a staging buffer it shares with the server (a
@@ -618,6 +624,10 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _host_copies(views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [v.to("cpu", copy=True) for v in views]
+
+
 def _not_received(name: str) -> torch.Tensor:
     raise RuntimeError(f"tensor {name!r} was not received yet")
 
@@ -933,13 +943,7 @@ class WeightSync:
         (lock, vote, gate, two-phase writes); around it the group is kept in step with the
         trainer (see the module doc)."""
         started = time.monotonic()
-        group = self._group(group_name)
-        self._refuse_when_closing(group.name)
-        group.check()
-        async with group.lock:
-            if self._groups.get(group.name) is not group:  # destroyed while we waited
-                raise WeightSyncGroupMissing(group.name, list(self._groups))
-            group.check()
+        async with self._locked(group_name) as group:
             return await self._update(run, stores, bases, group, names, dtypes, shapes,
                                       target_modules, weight_update_mode, lora_alpha,
                                       lora_rank, timeout, bucket_bytes, started)
@@ -967,6 +971,58 @@ class WeightSync:
             group.updates += 1
             return await run(lambda: plan_distributed(stores, group, specs, target, mode, scale,
                                                       bases, progress, deadline, bucket))
+
+    async def receive_tensors(self, group_name: object, names: object, dtypes: object,
+                              shapes: object, *, timeout: object, held: int = 0
+                              ) -> list[torch.Tensor]:
+        """Receive the trainer's broadcast of ``names`` (in list order) over the group into
+        host tensors of the announced dtypes and shapes, written nowhere (a transaction
+        stages them: ``/update_weights``'s nccl backend). The same receiver as an update's:
+        the group's process, its staging buffer a bucket at a time, the canary checks, one
+        deadline ``timeout`` seconds from now. ``held``: bytes the caller already staged
+        from this group; with these they must stay within ``max_staging_bytes``, else
+        :class:`InvalidRequest` (the broadcast drained, as every refusal's). A failed
+        broadcast breaks the group and raises :class:`WeightSyncTransferFailed`."""
+        started = time.monotonic()
+        async with self._locked(group_name) as group, self._in_step(group, started) as request:
+            request.specs = specs = parse_specs(names, dtypes, shapes)
+            request.progress.total = len(specs)
+            request.deadline = started + float(_positive("timeout", timeout))
+            bound = self.limits.max_staging_bytes
+            total = held + sum(_slot(s.nbytes) for s in specs)
+            if total > bound:
+                raise InvalidRequest("names", f"staging these {len(specs)} tensor(s) "
+                                              f"would hold {total} bytes ({held} staged "
+                                              f"before), over the {bound} bytes one group "
+                                              f"may stage (max_staging_bytes): send fewer "
+                                              f"or smaller tensors; nothing was staged")
+            buckets = _buckets(specs, group.bucket_bytes)
+            size = max(sum(_slot(specs[i].nbytes) for i in b) for b in buckets)
+            buffer = await group.staging(size, request.deadline)
+            out: list[torch.Tensor] = []
+            try:
+                for bucket in buckets:
+                    views = await group.receive([specs[i] for i in bucket], buffer,
+                                                request.deadline, request.progress)
+                    # copies: the next bucket reuses the buffer (blocking: in a thread)
+                    out += await anyio.to_thread.run_sync(functools.partial(
+                        _host_copies, views))
+            finally:
+                del buffer
+            return out
+
+    @asynccontextmanager
+    async def _locked(self, group_name: object) -> AsyncIterator[WeightUpdateGroup]:
+        """The group named, held for one update or receive (refused when absent, broken,
+        destroyed while waiting for it, or the server is shutting down)."""
+        group = self._group(group_name)
+        self._refuse_when_closing(group.name)
+        group.check()
+        async with group.lock:
+            if self._groups.get(group.name) is not group:  # destroyed while we waited
+                raise WeightSyncGroupMissing(group.name, list(self._groups))
+            group.check()
+            yield group
 
     @asynccontextmanager
     async def _in_step(self, group: WeightUpdateGroup, started: float

@@ -13,13 +13,18 @@ One update is one transaction from start to finish. Two backends:
   update (all or nothing); before it nothing of them is visible.
 * ``nccl`` (``init_info {master_address, master_port, rank_offset, world_size}``: the process
   group path of lifecycle._weight_sync, gloo on a CPU server): the trainer broadcasts while it
-  posts ``update_info {names, dtype_names, shapes}``; each contiguous run of one module's
-  names is received as one update. Before a module is first written in the transaction its
-  tensors are copied to the host; an abandoned transaction writes those copies back as one
-  update. Generations wait from start to finish (the pause mode ``keep``), so no generation
-  sees a half-updated pipeline.
+  posts ``update_info {names, dtype_names, shapes}``; it is received by the group's process
+  (its canary checks, one deadline: the transaction's time left) into host tensors that are
+  only staged, as the ipc backend's (a refused ``/update_weights`` still drains the
+  broadcast). What one transaction stages counts against the group's ``max_staging_bytes``
+  (a 400 naming it past that).
 
-One rank only (``serve`` without ``--nproc``): the copies and the staging are rank 0's; a
+Either way finish writes everything staged as one update (``update_weights_from_modules``:
+every module, or none); before it nothing is written, so checksums and generations see the
+old weights; an abandoned or failed transaction drops what it staged (nothing to restore).
+Generations wait from start to finish (the pause mode ``keep``).
+
+One rank only (``serve`` without ``--nproc``): the staging is rank 0's; a
 server of several ranks refuses ``/init_weight_transfer_engine`` naming the process-group
 routes, which every rank serves.
 
@@ -43,7 +48,9 @@ import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .. import UpdateResult
+from strategies import ResidencyError
+
+from .._weight_sync import WeightSyncTransferFailed
 from ._app import _body, _refused, _Service, _service, _update_response
 from ._driver import RanksUnavailable
 from ._transport import TransportError, decode_base64, decode_modules
@@ -68,8 +75,8 @@ class WeightTransfer:
     backend: str | None = None
     active: bool = False
     started: float = 0.0
+    serial: int = 0  # which transaction (a receive that outlived its own one stages nothing)
     staged: dict[str, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
-    backups: dict[str, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
     paused_by_us: bool = False
     abandoned: str | None = None  # why the last transaction was rolled back
 
@@ -88,23 +95,16 @@ def _conflict(message: str) -> Exception:
 
 async def _end(service: _Service, transfer: WeightTransfer) -> None:
     transfer.active = False
-    transfer.staged, transfer.backups = {}, {}
+    transfer.staged = {}
     if transfer.paused_by_us:
         transfer.paused_by_us = False
         service.generations.resume()
 
 
 async def _roll_back(service: _Service, transfer: WeightTransfer, why: str) -> None:
-    """Abandon the transaction: write the backups back (nccl), drop what is staged."""
-    backups = transfer.backups
+    """Abandon the transaction: drop what is staged (nothing was written)."""
     transfer.abandoned = why
-    try:
-        if backups:
-            result = await service.ctl.update_weights_from_modules(backups)
-            if not result.success:
-                transfer.abandoned += f"; restoring the weights failed: {result.message}"
-    finally:
-        await _end(service, transfer)
+    await _end(service, transfer)
 
 
 async def _check_expiry(service: _Service, transfer: WeightTransfer) -> None:
@@ -187,6 +187,7 @@ async def start_weight_update(request: Request) -> Response:
     if transfer.active:
         raise _conflict(_STARTED)
     transfer.active, transfer.started, transfer.abandoned = True, time.monotonic(), None
+    transfer.serial += 1
     if not service.generations.paused:  # no generation sees a half-updated pipeline
         await service.generations.pause("keep")
         transfer.paused_by_us = True
@@ -250,8 +251,8 @@ async def update_weights(request: Request) -> Response:
 
 async def _receive(service: _Service, transfer: WeightTransfer, info: Mapping[str, Any]
                    ) -> Response:
-    """nccl: receive each module's run of the broadcast as one update, its tensors copied
-    to the host first (the transaction's backups)."""
+    """nccl: receive the broadcast into host tensors (lifecycle._weight_sync) and stage them
+    by module; nothing is written before finish."""
     names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
             and len(names) == len(dtypes) == len(shapes) and names
@@ -263,28 +264,23 @@ async def _receive(service: _Service, transfer: WeightTransfer, info: Mapping[st
     if info.get("packed"):
         await _roll_back(service, transfer, "a packed broadcast is not received here")
         raise _refused("packed broadcasts are not supported; send packed=false")
-    result: UpdateResult | None = None
-    for module, indices in _split(names, service.ctl.components):
-        relative = [_relative(names[i], module) for i in indices]
-        if module in service.ctl.components and module not in transfer.backups:
-            transfer.backups[module] = await service.ctl.tensor_copies(module, relative)
-        elif module in transfer.backups:
-            have = {n for n, _ in transfer.backups[module]}
-            transfer.backups[module] += await service.ctl.tensor_copies(
-                module, [n for n in relative if n not in have])
-        args = {"names": relative, "dtypes": [dtypes[i] for i in indices],
-                "shapes": [shapes[i] for i in indices], "group_name": GROUP,
-                "target_modules": [module], "timeout": transfer.timeout}
-        try:
-            result = await service.driver.update_weights_from_distributed(args)
-        except (WireRefused, RanksUnavailable) as exc:
+    serial = transfer.serial
+    held = sum(t.nbytes for named in transfer.staged.values() for _, t in named)
+    left = max(0.001, transfer.started + transfer.timeout - time.monotonic())
+    try:  # one rank (see init): rank 0's controller is this process's
+        tensors = await service.ctl.receive_from_distributed(
+            names, dtypes, shapes, GROUP, timeout=left, held=held)
+    except (ResidencyError, WeightSyncTransferFailed) as exc:
+        if transfer.serial == serial:
             await _roll_back(service, transfer, str(exc))
-            raise _refused(str(exc)) from None
-        if not result.success:
-            await _roll_back(service, transfer, result.message)
-            return _update_response(result, trainer=True)
-    assert result is not None
-    return JSONResponse({"message": "Weights updated", "version": result.version})
+        raise _refused(str(exc), rolled_back=True) from None
+    if transfer.serial != serial or not transfer.active:  # abandoned while it arrived
+        raise _conflict(f"{_NOT_STARTED} (the last update was abandoned: {transfer.abandoned})")
+    for module, indices in _split(names, service.ctl.components):
+        transfer.staged.setdefault(module, []).extend(
+            (_relative(names[i], module), tensors[i]) for i in indices)
+    return JSONResponse({"message": "Weights updated", "staged": {
+        m: len(v) for m, v in transfer.staged.items()}})
 
 
 async def finish_weight_update(request: Request) -> Response:
@@ -300,22 +296,17 @@ async def finish_weight_update(request: Request) -> Response:
             f"{_FINISH_NOT_STARTED} (the last update was abandoned: {transfer.abandoned})"
         raise _conflict(message)
     label = None if version is None else str(version)
-    if transfer.backend == "ipc":
-        staged = transfer.staged
-        if not staged:
-            await _end(service, transfer)
-            raise _refused("no weights were sent between start and finish; nothing changed")
-        try:
-            result = await service.ctl.update_weights_from_modules(staged, weight_version=label)
-        finally:
-            await _end(service, transfer)
-        if not result.success:
-            transfer.abandoned = result.message
-            return _update_response(result)
-    else:
+    staged = transfer.staged
+    if not staged:
         await _end(service, transfer)
-        if label is not None:
-            await service.driver.set_weight_version(label)
+        raise _refused("no weights were sent between start and finish; nothing changed")
+    try:  # everything staged, as one update (all or nothing)
+        result = await service.ctl.update_weights_from_modules(staged, weight_version=label)
+    finally:
+        await _end(service, transfer)
+    if not result.success:
+        transfer.abandoned = result.message
+        return _update_response(result)
     return JSONResponse({"message": "Weight update finished",
                          "weight_version": service.ctl.weight_version_label})
 

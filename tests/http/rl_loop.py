@@ -178,7 +178,7 @@ def run_loop(client: str, rounds: int, kill_round: int | None,
     """``rounds`` rounds of ``client``'s flow on a fresh server; what happened."""
     pipe, generate = factory()
     ctl = LifecycleController("cpu", admission_timeout=30.0)
-    with running_server(pipe, generate, ctl) as s:
+    with running_server(pipe, generate, ctl, process_groups=True) as s:  # joins trainers
         loop = Round(s, client)
         loop.join()
         others = {n: v for n, v in loop.checksums().items() if n != "transformer"}

@@ -1,7 +1,9 @@
 """vLLM's weight-transfer contract over a real server on 127.0.0.1 (issue 33), in TRL's order
 (pause keep, start, update_weights, finish, resume): the ipc backend over the tensor path and
 the nccl backend over a gloo trainer's process group; one transaction from start to finish,
-misordered calls vLLM's 409s, an abandoned or failed transaction rolled back."""
+misordered calls vLLM's 409s, an abandoned or failed transaction rolled back: nothing is
+written before finish (the nccl backend stages what it receives), so the weights and the
+version stay exactly the old ones."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import pytest
 import torch
 
 from lifecycle import LifecycleController
+from lifecycle._checksum import reference_checksum
+from lifecycle._weight_sync import WeightSyncLimits
 from lifecycle.demo import DemoPipeline
 from lifecycle.http import demo_generate
 from tests.http.clients import parameters, serialize
@@ -143,35 +147,160 @@ def nccl_info(named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
             "shapes": [list(t.shape) for _, t in named]}
 
 
-def test_an_nccl_transfer_over_a_gloo_trainer_and_a_killed_trainer_rolls_back(
-        served: Served) -> None:
-    """The nccl backend on a CPU server: a gloo trainer broadcasts two modules' weights in one
-    /update_weights; finish labels them; in the next transaction the trainer dies mid-way
-    through the second module: the update fails and the first module is restored too."""
+@pytest.fixture
+def grouped(request: pytest.FixtureRequest) -> Iterator[tuple[Served, Trainer]]:
+    """A server that joins trainers' groups (a staging bound of 200 000 bytes: the
+    transformer's and the VAE's weights fit, with the text encoder's they do not) and a
+    gloo trainer in its transfer group; ``update_timeout`` 30 s, or the parameter."""
+    update_timeout = getattr(request, "param", 30)
+    pipe = DemoPipeline.build(2**16)
+    ctl = LifecycleController("cpu", weight_sync_limits=WeightSyncLimits(
+        max_staging_bytes=200_000))
     trainer = Trainer()
     try:
-        port = trainer.init(world_size=2, group_name="vllm_weight_transfer")
-        r = post(served, "/init_weight_transfer_engine", {"init_info": {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": 2, "timeout": 10}})
-        assert r.status_code == 200, r.text
-        assert trainer.result() == ("init", "ok")
-        first = prefixed(served, "transformer", 0.25) + prefixed(served, "vae", 0.25)
-        post(served, "/start_weight_update")
-        trainer.broadcast([t for _, t in first])
-        r = post(served, "/update_weights", {"update_info": nccl_info(first)})
-        assert r.status_code == 200, r.text
-        assert trainer.result()[0] == "broadcast"
-        assert post(served, "/finish_weight_update", {"weight_version": "1"}).status_code == 200
-        synced = served.ctl.weights_checksum()
-        second = prefixed(served, "transformer", 1.0) + prefixed(served, "vae", 1.0)
-        post(served, "/start_weight_update")
-        trainer.broadcast([t for _, t in second], die_after=len(second) - 2)
-        r = post(served, "/update_weights", {"update_info": nccl_info(second)})
-        assert r.status_code == 400 and r.json()["rolled_back"] is True, r.text
-        assert served.ctl.weights_checksum() == synced
-        assert served.client.get("/get_weight_version").json() == {"weight_version": "1"}
-        r = post(served, "/finish_weight_update", {})
-        assert r.status_code == 409 and "abandoned" in r.json()["detail"]
+        with running_server(pipe, demo_generate(pipe), ctl, process_groups=True) as s:
+            port = trainer.init(world_size=2, group_name="vllm_weight_transfer")
+            r = post(s, "/init_weight_transfer_engine", {"init_info": {
+                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                "world_size": 2, "timeout": 10, "update_timeout": update_timeout}})
+            assert r.status_code == 200, r.text
+            assert trainer.result() == ("init", "ok")
+            yield s, trainer
     finally:
         trainer.kill()
+
+
+def send(s: Served, trainer: Trainer, named: list[tuple[str, torch.Tensor]],
+         **faults: int) -> httpx.Response:
+    """One /update_weights of the nccl backend, the trainer broadcasting meanwhile."""
+    trainer.broadcast([t for _, t in named], **faults)
+    return post(s, "/update_weights", {"update_info": nccl_info(named)})
+
+
+def sums(s: Served) -> Any:
+    return post(s, "/get_weights_checksum").json()
+
+
+def state(s: Served) -> tuple[Any, int, Any]:
+    """What a rolled-back transaction leaves as it was: checksums, version, label."""
+    return sums(s), s.ctl.weights_version, s.client.get("/get_weight_version").json()
+
+
+def stage(s: Served, trainer: Trainer, named: list[tuple[str, torch.Tensor]]) -> None:
+    """One /update_weights that stages ``named`` (the trainer's broadcast completed)."""
+    r = send(s, trainer, named)
+    assert r.status_code == 200, r.text
+    assert trainer.result()[0] == "broadcast"
+
+
+def trainers_sum(named: list[tuple[str, torch.Tensor]], module: str) -> str:
+    """The checksum a trainer computes of the weights it sent for ``module``."""
+    return reference_checksum([(n.removeprefix(f"{module}."), t) for n, t in named])
+
+
+def test_an_nccl_transfer_is_staged_and_written_only_at_finish(
+        grouped: tuple[Served, Trainer]) -> None:
+    """A gloo trainer broadcasts the transformer, then the VAE, in two /update_weights: the
+    checksums stay the old weights' until /finish_weight_update writes both as one update
+    (one version step) and labels them; then they are the trainer's."""
+    served, trainer = grouped
+    before, version = sums(served), served.ctl.weights_version
+    new_t, new_v = prefixed(served, "transformer", 0.25), prefixed(served, "vae", 0.25)
+    assert post(served, "/start_weight_update").status_code == 200
+    r = send(served, trainer, new_t)
+    assert r.json() == {"message": "Weights updated", "staged": {"transformer": 32}}, r.text
+    assert trainer.result()[0] == "broadcast"
+    r = send(served, trainer, new_v)
+    assert r.json()["staged"] == {"transformer": 32, "vae": 18}, r.text
+    assert trainer.result()[0] == "broadcast"
+    assert sums(served) == before
+    assert served.ctl.weights_version == version
+    r = post(served, "/finish_weight_update", {"weight_version": "1"})
+    assert r.json() == {"message": "Weight update finished", "weight_version": "1"}, r.text
+    assert sums(served) == {**before, "transformer": trainers_sum(new_t, "transformer"),
+                            "vae": trainers_sum(new_v, "vae")}
+    assert served.ctl.weights_version == version + 1
+
+
+@pytest.mark.parametrize("grouped", [1], indirect=True)
+def test_an_abandoned_nccl_transfer_leaves_the_weights_and_version_as_they_were(
+        grouped: tuple[Served, Trainer]) -> None:
+    """A transaction whose finish never comes (update_timeout 1 s) is dropped by the
+    watchdog: what it staged is gone, the weights, version and label are the old ones, and
+    the group still serves the next transaction."""
+    served, trainer = grouped
+    before = state(served)
+    post(served, "/start_weight_update")
+    stage(served, trainer, prefixed(served, "vae", 1.0))
+    deadline = time.monotonic() + 10
+    while served.client.get("/is_paused").json()["is_paused"]:
+        assert time.monotonic() < deadline, "never abandoned"
+        time.sleep(0.05)
+    r = post(served, "/finish_weight_update", {"weight_version": "2"})
+    assert r.status_code == 409 and "abandoned: not finished within 1 s" in r.json()["detail"]
+    assert state(served) == before
+    post(served, "/start_weight_update")
+    new_v = prefixed(served, "vae", 2.0)
+    stage(served, trainer, new_v)
+    assert post(served, "/finish_weight_update").status_code == 200
+    assert sums(served)["vae"] == trainers_sum(new_v, "vae")
+
+
+def test_a_trainer_killed_mid_transfer_leaves_the_weights_and_version_as_they_were(
+        grouped: tuple[Served, Trainer]) -> None:
+    """The transformer staged, the trainer dies mid-way through the VAE's broadcast: the
+    /update_weights fails (400, rolled back), the transaction is dropped, and the weights,
+    version and label are exactly the old ones."""
+    served, trainer = grouped
+    before = state(served)
+    post(served, "/start_weight_update")
+    stage(served, trainer, prefixed(served, "transformer", 1.0))
+    r = send(served, trainer, prefixed(served, "vae", 1.0), die_after=9)
+    assert r.status_code == 400 and r.json()["rolled_back"] is True, r.text
+    assert "tensor 10/18" in r.json()["message"]
+    assert state(served) == before
+    r = post(served, "/finish_weight_update", {})
+    assert r.status_code == 409 and "abandoned" in r.json()["detail"]
+
+
+def test_staging_past_the_bound_is_a_400_naming_it_and_the_broadcast_is_drained(
+        grouped: tuple[Served, Trainer]) -> None:
+    """The text encoder staged after the transformer and the VAE would hold more than
+    max_staging_bytes: a 400
+    naming the bound, the transaction dropped, the trainer's broadcast still completes and
+    the group serves the next transaction."""
+    served, trainer = grouped
+    before = sums(served)
+    post(served, "/start_weight_update")
+    for module in ("transformer", "vae"):
+        stage(served, trainer, prefixed(served, module, 1.0))
+    r = send(served, trainer, prefixed(served, "text_encoder", 1.0))
+    assert r.status_code == 400 and "over the 200000 bytes one group may stage " \
+        "(max_staging_bytes)" in r.json()["message"], r.text
+    answer, seconds = trainer.result()
+    assert answer == "broadcast" and isinstance(seconds, float), seconds
+    assert sums(served) == before
+    post(served, "/start_weight_update")
+    new_v = prefixed(served, "vae", 2.0)
+    stage(served, trainer, new_v)
+    assert post(served, "/finish_weight_update").status_code == 200
+    assert sums(served) == {**before, "vae": trainers_sum(new_v, "vae")}
+
+
+@pytest.mark.parametrize("grouped", [1], indirect=True)
+def test_a_trainer_stalled_mid_transfer_meets_the_transactions_deadline(
+        grouped: tuple[Served, Trainer]) -> None:
+    """A trainer that stops broadcasting mid-way: the receive ends at the transaction's own
+    deadline (update_timeout 1 s from its start), a 400 rolled back, and the weights,
+    version and label are exactly the old ones."""
+    served, trainer = grouped
+    before = state(served)
+    post(served, "/start_weight_update")
+    t0 = time.monotonic()
+    r = send(served, trainer, prefixed(served, "vae", 1.0), stall_after=5)
+    assert r.status_code == 400 and r.json()["rolled_back"] is True, r.text
+    assert "the update's deadline passed at tensor 6/18" in r.json()["message"]
+    assert time.monotonic() - t0 < 10
+    assert state(served) == before
+    r = post(served, "/finish_weight_update", {})
+    assert r.status_code == 409 and "abandoned" in r.json()["detail"]
