@@ -90,6 +90,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         # The transformer's weights ("orig", "A", "B"), None while stale (discarded by a sleep
         # and not wholly updated since: undefined values, it serves nothing).
         self.weights: str | None = "orig"
+        # The transformer's weights are the bytes of the checkpoint files a disk update read
+        # (strategies._filebacked): a sleep keeps no host copy of them (its tensors hold
+        # placeholders while asleep) and a wake reads them back from those files. Forgotten by
+        # any other update.
+        self.file_backed = False
         self.awake_bytes: int | None = None
 
     async def _make(self) -> LifecycleController:
@@ -131,6 +136,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if self.stale:  # the module keeps undefined values: give it known ones again
             self.pipe["transformer"].load_state_dict(STATES["orig"])
             self.weights = "orig"
+        self.file_backed = False  # an attach records no files
 
     @rule(fault=Faults, trigger=st.sampled_from(["sleep", "wake"]), discard=st.booleans())
     def occupation(self, fault: tuple[str, int] | None, trigger: str, discard: bool) -> None:
@@ -192,6 +198,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 else:
                     self.weights = new
                     assert result.stale == {}
+                self.file_backed = source == "disk"
             else:
                 assert self.layer.faults == faults + 1 and "rolled back" in result.message
         self.arm(None)
@@ -241,7 +248,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.layer.copy_delay = 0.0
         self.phase = self.ctl.phase  # either outcome is valid; invariants check the truth
         if trigger == "update" and not self.ctl.stale and fingerprints(self.pipe) == SUMS[new]:
-            self.weights = new
+            self.weights, self.file_backed = new, False
 
     @precondition(lambda self: self.phase is not Phase.UNINITIALIZED)
     @rule(calls=st.lists(st.sampled_from(["sleep", "wake", "use", "update"]), min_size=2,
@@ -273,7 +280,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert sorted(answers) == sorted(calls)
         self.phase = self.ctl.phase
         if not self.ctl.stale and fingerprints(self.pipe) == SUMS[new]:
-            self.weights = new
+            self.weights, self.file_backed = new, False
 
     # -- invariants ----------------------------------------------------------------------
     @invariant()
@@ -286,7 +293,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         sums = fingerprints(self.pipe)
         if self.weights is None:  # stale: the transformer's values are undefined
             sums.pop("transformer")
+        elif self.file_backed and self.phase is Phase.SLEEPING:  # in its files (placeholders)
+            sums.pop("transformer")
         assert sums.items() <= SUMS[self.weights or "orig"].items()
+
+    @invariant()
+    def file_backing_is_the_models(self) -> None:
+        if self.phase is Phase.SLEEPING:
+            held = self.ctl.report().components["transformer"].file_backed_bytes
+            assert (held > 0) == (self.file_backed and not self.stale)
 
     @invariant()
     def the_stale_set_is_the_models(self) -> None:
