@@ -655,3 +655,15 @@ async def test_a_plan_reports_the_transient_peak_of_applying_it_from_the_layout_
         ctl.reset_peak()
         change = await ctl.set_residency(plan, validate=False)
         assert change.transient_peak_bytes == ctl.report().peak_device_bytes == 91904
+
+
+def test_the_hand_off_peak_is_each_step_held_plus_what_it_allocates() -> None:
+    """SGLang's test_component_residency.py::test_warmup_splits_sequential_component_transition
+    (a swap split into text_encoder->idle and idle->transformer): the same 100-byte owner
+    released before a 60-byte one loads peaks at 100, in one transaction at 160."""
+    from lifecycle._handoff import Reshape, hand_off_peak
+
+    release, load = Reshape("text_encoder", 100, 0, 0), Reshape("transformer", 0, 60, 60)
+    assert hand_off_peak(100, [[release], [load]]) == 100
+    assert hand_off_peak(100, [[release, load]]) == 160
+    assert hand_off_peak(100, [[load], [release]]) == 160
