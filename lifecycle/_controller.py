@@ -549,8 +549,8 @@ class LifecycleController:
             derive_budgets(host_budget, ranks=self.host_budgets.ranks).host
         plan = await self._measurer.plan(device_budget, warmup, uses, reserve, remeasure, host)
         async with self._lock:  # the layout held now, not one a transition is changing
-            if self.phase is Phase.AWAKE and self._components.asleep:
-                return plan  # a partial sleep: set_residency refuses to apply it anyway
+            if self.phase is not Phase.AWAKE or self._components.asleep:
+                return plan  # asleep: applying it puts nothing on the device until a wake
             _, peak = self._transient_peak(self._components.reshapes(plan.config))
         return dataclasses.replace(plan, transient_peak_bytes=peak)
 
@@ -606,9 +606,10 @@ class LifecycleController:
         def reshape(name: str, shape: Shape) -> Reshape:
             c = self._components[name]
             old = c.strategy.store
+            if not awake:  # (while sleeping nothing goes to the device)
+                return Reshape(name, old.device_bytes, 0, 0)
             new = shape.store(name, c.module, self._layer, layout=old)
-            after, fresh = regroup_device_bytes(old, new, shape.awake_units(new) if awake
-                                                else [])
+            after, fresh = regroup_device_bytes(old, new, shape.awake_units(new))
             return Reshape(name, old.device_bytes, after, fresh)
 
         held = self._layer.held_bytes

@@ -514,7 +514,8 @@ class ResidencyPlan:
     host_budget_bytes: int | None = None
     predicted_host_bytes: int = 0
     # The device peak of applying it from the layout held when it was made (old and new
-    # placements held together during the hand-off: lifecycle._handoff); None: not known.
+    # placements held together during the hand-off: lifecycle._handoff); None: made while
+    # (partly) asleep.
     # set_residency(plan) predicts it again from the layout held then and refuses a plan
     # whose hand-off would pass budget_bytes.
     transient_peak_bytes: int | None = None
