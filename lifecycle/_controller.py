@@ -31,7 +31,14 @@ from strategies import (
     ResidencyStrategy,
     make_device_layer,
 )
-from strategies.protocol import PreparedMove, Shape, forget_files, host_backup_bytes, record_files
+from strategies.protocol import (
+    PreparedMove,
+    Shape,
+    forget_files,
+    host_backup_bytes,
+    record_files,
+    regroup_device_bytes,
+)
 
 from . import _events as events
 from . import _results as results
@@ -55,6 +62,7 @@ from ._errors import (
     UPDATE_WHILE_SLEEPING,
     DrainTimeout,
     GroupBroken,
+    HandOffExceedsBudget,
     InvalidRequest,
     TransitionFailed,
     TransitionRejected,
@@ -65,6 +73,7 @@ from ._errors import (
 from ._events import get_logger
 from ._filebacking import after_update, verify_checkpoint
 from ._group import Collective, describe
+from ._handoff import Reshape, hand_off_peak
 from ._hostbudget import derive_budgets
 from ._hostbudget import local_world_size as local_world_size_of
 from ._hosttiers import plan_mirrors
@@ -496,12 +505,17 @@ class LifecycleController:
         validation request runs after applying it; if its peak passes the plan's budget, or
         it takes more than ``latency_tolerance`` longer than predicted, or it raises (or is
         cancelled: restored, then the cancellation goes on), the previous residency is
-        restored and the result says why. ``validate=False`` skips it."""
+        restored and the result says why. ``validate=False`` skips it. A plan whose
+        hand-off, from the layout held now, would pass its budget while old and new
+        placements are held together (above what is held now too) is refused before
+        anything moves (:class:`HandOffExceedsBudget`); the result's
+        ``transient_peak_bytes`` is that predicted peak."""
         config = residency.config if isinstance(residency, ResidencyPlan) else \
             ResidencyConfig.parse(residency)
         previous = self.config
+        budget = residency.budget_bytes if isinstance(residency, ResidencyPlan) else None
         async with self._lock, self._ranks.section("set_residency"):
-            change = await self._set_residency(config)
+            change = await self._set_residency(config, budget)
         if not isinstance(residency, ResidencyPlan):
             return change
         return await self._measurer.validate(residency, change, validate, self.set_residency,
@@ -533,9 +547,15 @@ class LifecycleController:
             self.activation_reserve
         host = self.host_budgets.host if host_budget is None else \
             derive_budgets(host_budget, ranks=self.host_budgets.ranks).host
-        return await self._measurer.plan(device_budget, warmup, uses, reserve, remeasure, host)
+        plan = await self._measurer.plan(device_budget, warmup, uses, reserve, remeasure, host)
+        async with self._lock:  # the layout held now, not one a transition is changing
+            if self.phase is not Phase.AWAKE or self._components.asleep:
+                return plan  # asleep: applying it puts nothing on the device until a wake
+            _, peak = self._transient_peak(self._components.reshapes(plan.config))
+        return dataclasses.replace(plan, transient_peak_bytes=peak)
 
-    async def _set_residency(self, config: ResidencyConfig) -> ResidencyChange:
+    async def _set_residency(self, config: ResidencyConfig, budget: int | None = None
+                             ) -> ResidencyChange:
         if self.phase is Phase.UNINITIALIZED:
             raise TransitionRejected("set_residency", self.phase, NOT_INITIALIZED)
         if self.phase is Phase.AWAKE and self._components.asleep:
@@ -550,6 +570,11 @@ class LifecycleController:
         with events.bound(transition="set_residency", transition_id=next(_ids)):
             async with self._uses.drained("set_residency"):
                 self._components.rescan("set_residency")
+                # Predicted once uses are drained (what they had loaded is released).
+                held, peak = self._transient_peak(wanted)
+                # (A plan shrinking a layout already over its budget peaks at what is held.)
+                if budget is not None and peak > max(budget, held):
+                    raise HandOffExceedsBudget(peak, budget, list(wanted), held)
                 with self._components.moving("set_residency"):
                     copied = await self._hand_off(wanted)
             self.config = config
@@ -558,7 +583,38 @@ class LifecycleController:
             self._summary("set_residency", source, copied, seconds)
         return ResidencyChange(True, f"residency set: {config.to_string() or 'all resident'}"
                                + (f"; changed {changed}" if changed else "; nothing changed"),
-                               config.to_string(), MappingProxyType(changed), copied, seconds)
+                               config.to_string(), MappingProxyType(changed), copied, seconds,
+                               transient_peak_bytes=peak)
+
+    def _hand_off_steps(self, wanted: dict[str, Shape]) -> list[dict[str, Shape]]:
+        """The transactions :meth:`_hand_off` runs for ``wanted``, in order: the components
+        going to an offload mode (while awake, from the device) first when others come
+        onto the device too, else all in one."""
+        offload = (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD)
+        first = {n: s for n, s in wanted.items() if self.phase is Phase.AWAKE
+                 and s.mode in offload and self._components[n].strategy.store.device_bytes}
+        if not first or len(first) == len(wanted):
+            return [wanted]
+        return [first, {n: s for n, s in wanted.items() if n not in first}]
+
+    def _transient_peak(self, wanted: dict[str, Shape]) -> tuple[int, int]:
+        """The device bytes held now and the peak predicted for :meth:`_hand_off` of
+        ``wanted`` from there (stores are built unplaced to count what each move allocates;
+        nothing moves)."""
+        awake = self.phase is Phase.AWAKE
+
+        def reshape(name: str, shape: Shape) -> Reshape:
+            c = self._components[name]
+            old = c.strategy.store
+            if not awake:  # (while sleeping nothing goes to the device)
+                return Reshape(name, old.device_bytes, 0, 0)
+            new = shape.store(name, c.module, self._layer, layout=old)
+            after, fresh = regroup_device_bytes(old, new, shape.awake_units(new))
+            return Reshape(name, old.device_bytes, after, fresh)
+
+        held = self._layer.held_bytes
+        return held, hand_off_peak(held, [[reshape(n, s) for n, s in step.items()]
+                                          for step in self._hand_off_steps(wanted)])
 
     async def _hand_off(self, wanted: dict[str, Shape]) -> int:
         """Move components to their ``wanted`` shapes; returns the bytes copied.
@@ -578,16 +634,14 @@ class LifecycleController:
                                                                       shape))
             return prepare
 
-        offload = (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD)
-        first = {n: s for n, s in wanted.items() if self.phase is Phase.AWAKE
-                 and s.mode in offload and self._components[n].strategy.store.device_bytes}
-        if not first or len(first) == len(wanted):
+        steps = self._hand_off_steps(wanted)
+        if len(steps) == 1:
             return await self._transact("set_residency", prepare_for(wanted))
+        first, then = steps
         old = {n: Shape.of(self._components[n].strategy) for n in first}
         copied = await self._transact("set_residency", prepare_for(first))
         try:
-            return copied + await self._transact(
-                "set_residency", prepare_for({n: s for n, s in wanted.items() if n not in first}))
+            return copied + await self._transact("set_residency", prepare_for(then))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._transact("set_residency", prepare_for(old))

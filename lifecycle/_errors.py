@@ -75,6 +75,7 @@ __all__ = [
     "DrainTimeout",
     "FSDPInferenceUnsupported",
     "GroupBroken",
+    "HandOffExceedsBudget",
     "InvalidRequest",
     "LifecycleError",
     "RanksDisagree",
@@ -237,6 +238,27 @@ class InvalidRequest(LifecycleError, ValueError):
         super().__init__(reason)
         self.field = field
         self.reason = reason
+
+
+class HandOffExceedsBudget(LifecycleError):
+    """``set_residency(plan)``: applying the plan from the layout held now would raise the
+    device past the plan's budget (and past what is held now) while old and new placements
+    are held together (the transient peak of the hand-off); refused before anything moved.
+    ``transient_peak_bytes``, ``budget_bytes``, ``components``, ``held_bytes``: the
+    predicted peak, the budget, what would move, the device bytes held before it."""
+
+    def __init__(self, transient_peak_bytes: int, budget_bytes: int,
+                 components: Sequence[str], held_bytes: int) -> None:
+        super().__init__(
+            f"applying this residency plan would hold {transient_peak_bytes} device bytes at "
+            f"its transient peak (old and new placements of {sorted(components)} held "
+            f"together, from {held_bytes} held now), over the plan's device budget of "
+            f"{budget_bytes} bytes; nothing changed: plan for a budget that leaves room for "
+            "the hand-off, or apply it in smaller steps (offload first, then load)")
+        self.transient_peak_bytes = transient_peak_bytes
+        self.held_bytes = held_bytes
+        self.budget_bytes = budget_bytes
+        self.components = tuple(sorted(components))
 
 
 class CheckpointMismatch(LifecycleError, ValueError):

@@ -513,6 +513,12 @@ class ResidencyPlan:
     # awake (the mirrors of what it offloads; a sleep keeps more unless file-backed).
     host_budget_bytes: int | None = None
     predicted_host_bytes: int = 0
+    # The device peak of applying it from the layout held when it was made (old and new
+    # placements held together during the hand-off: lifecycle._handoff); None: made while
+    # (partly) asleep.
+    # set_residency(plan) predicts it again from the layout held then and refuses a plan
+    # whose hand-off would pass budget_bytes.
+    transient_peak_bytes: int | None = None
 
     def explain(self) -> str:
         """A table per component (bytes, mode, tuning, moved per request, why), the totals,
@@ -537,6 +543,10 @@ class ResidencyPlan:
                      f"{self.predicted_seconds * 1e3:.2f} ms per request, "
                      f"{format_bytes(self.moved_bytes_per_request)} moved per request "
                      f"(planned in {self.planner_seconds * 1e3:.1f} ms)")
+        if self.transient_peak_bytes is not None:
+            lines.append(f"applying it from the layout held now peaks at "
+                         f"{format_bytes(self.transient_peak_bytes)} on the device (old and "
+                         "new placements held together during the hand-off)")
         if self.runners_up:
             lines.append("runners-up:")
             for r in self.runners_up:
@@ -556,6 +566,7 @@ class ResidencyPlan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "host_budget_bytes": self.host_budget_bytes,
             "predicted_host_bytes": self.predicted_host_bytes,
+            "transient_peak_bytes": self.transient_peak_bytes,
             "moved_bytes_per_request": self.moved_bytes_per_request,
             "predicted_seconds": self.predicted_seconds,
             "activation_reserve": self.activation_reserve,

@@ -242,9 +242,13 @@ class ResidencyChange:
     predicted_peak_bytes: int | None = None
     predicted_seconds: float | None = None
     rolled_back: bool = False
+    # The device peak predicted for applying the change (old and new placements held
+    # together inside a transaction: lifecycle._handoff), from the layout held before it.
+    transient_peak_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"success": self.success, "message": self.message, "config": self.config,
+                "transient_peak_bytes": self.transient_peak_bytes,
                 "changed": {n: list(v) for n, v in self.changed.items()},
                 "bytes_copied": self.bytes_copied, "seconds": self.seconds,
                 "validated": self.validated, "measured_peak_bytes": self.measured_peak_bytes,

@@ -32,7 +32,8 @@ from ._errors import undo_on_failure
 from ._inventory import Storage, Unit
 from ._store import Progress, TensorStore
 
-__all__ = ["RegroupMove", "RestoreMove", "needs_restore", "prepare_regroup", "prepare_restore"]
+__all__ = ["RegroupMove", "RestoreMove", "needs_restore", "prepare_regroup", "prepare_restore",
+           "regroup_device_bytes"]
 
 
 @dataclass(eq=False)
@@ -119,6 +120,21 @@ def _same_storages(new: Unit, old_of: dict[int, Storage], old: TensorStore) -> U
     mapped = [old_of[id(st)] for st in new.storages]
     unit, _, _ = old.locate(mapped[0])
     return unit if unit.storages == mapped else None
+
+
+def regroup_device_bytes(old: TensorStore, new: TensorStore, on_device: Sequence[Unit]
+                         ) -> tuple[int, int]:
+    """``(after, fresh)``: the device bytes ``new`` holds once :func:`prepare_regroup` with
+    ``on_device`` commits, and the device buffers that preparation allocates (a unit over
+    the same storages already on the device keeps its buffer; any other comes new), while
+    ``old`` is still held. Allocates nothing."""
+    by_tensor = {id(slot.tensor): st for st in old.storages() for slot in st.slots}
+    old_of = {id(st): by_tensor[id(st.slots[0].tensor)] for st in new.storages()}
+    fresh = 0
+    for unit in on_device:
+        same = _same_storages(unit, old_of, old)
+        fresh += 0 if same is not None and same.where == "device" else unit.nbytes
+    return sum(u.nbytes for u in on_device), fresh
 
 
 async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequence[Unit],

@@ -25,6 +25,7 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
         "ComponentBusy", "ComponentNotPlaced",
         "ComponentPlacement",
         "ComponentResidencyError", "DrainTimeout", "FSDPInferenceUnsupported", "GroupBroken",
+        "HandOffExceedsBudget",
         "HostBudgetExceeded", "HostBudgets",
         "LifecycleController", "LifecycleError", "OccupationResult", "Phase", "PlacementReport",
         "RankChecksums", "RanksDisagree", "ResidencyChange", "ResidencyPlan", "InfeasibleBudget",
@@ -53,14 +54,16 @@ STRATEGIES_API = {
 }
 # strategies.protocol: the types of the strategy protocol and the moves the lifecycle drives
 # (TensorStore, Unit, the prepared moves: placement, writes, regrouping for a residency
-# change, restoring at detach, discarding), the factory, the forward guard, and
+# change and the device bytes it allocates, restoring at detach, discarding), the factory,
+# the forward guard, and
 # forget_locals (a failed move's frames must not keep its buffers: lifecycle uses it too).
 PROTOCOL_API = {
     "ResidencyStrategy", "ResidentStrategy", "ComponentOffloadStrategy", "SnapshotOffloadStrategy",
     "build_strategy", "Shape", "check_block_lists", "ComputeGuard", "forget_locals",
     "TensorStore", "Unit", "StoreReport", "Move", "PreparedMove", "WriteMove", "WriteSource",
     "FileRegion", "safetensors_regions",
-    "RegroupMove", "prepare_regroup", "RestoreMove", "prepare_restore", "needs_restore",
+    "RegroupMove", "prepare_regroup", "regroup_device_bytes", "RestoreMove", "prepare_restore",
+    "needs_restore",
     "DiscardMove", "UndiscardMove", "prepare_discard", "prepare_undiscard",
     "FileSleepMove", "FileWakeMove", "prepare_file_sleep", "prepare_file_wake", "record_files",
     "forget_files", "covered", "host_backup_bytes",

@@ -4,6 +4,8 @@ names the peer test whose scenario it plays."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -12,8 +14,9 @@ import torch
 import transformers
 from torch import nn
 
-from lifecycle import InfeasibleBudget, LifecycleController, WeightsDiscarded
+from lifecycle import InfeasibleBudget, LifecycleController, ResidencyPlan, WeightsDiscarded
 from lifecycle.testing import FaultyDevice
+from strategies import ResidencyConfig
 from tests.models.zoo import _clip_config, _clip_inputs
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -556,3 +559,111 @@ async def test_a_real_model_cast_by_hand_while_offloaded_is_refused_and_kept_as_
         assert {t.dtype for t in model.state_dict().values() if t.is_floating_point()} \
             == {torch.float16}
         assert ctl.in_flight == 0
+
+
+# -- 7: the transient peak of a hand-off that cannot release first ---------------------------
+ALL_OFFLOADED = "text_encoder=component-offload,transformer=component-offload,vae=component-offload"
+BOTH_RESIDENT = "text_encoder=resident,transformer=resident,vae=component-offload"
+TO_LAYERWISE = "text_encoder=layerwise-offload,transformer=resident,vae=component-offload"
+
+
+async def hand_off_peak(start: str, to: str | ResidencyPlan) -> tuple[int | None, int]:
+    """The predicted transient peak of ``set_residency(to)`` from ``start`` and the device
+    layer's measured peak while applying it."""
+    from lifecycle.demo import DemoPipeline
+
+    pipe = DemoPipeline.build(2**16)
+    expected = pipe.forward_sync(steps=2)
+    async with LifecycleController(device_layer=FaultyDevice(), residency=start) as ctl:
+        await ctl.attach(pipe)
+        ctl.reset_peak()
+        change = await ctl.set_residency(to, validate=False)
+        measured = ctl.report().peak_device_bytes
+        assert torch.equal(await pipe.generate(ctl=ctl, steps=2), expected)
+        return change.transient_peak_bytes, measured
+
+
+@pytest.mark.parametrize(("start", "to"), [(ALL_OFFLOADED, BOTH_RESIDENT), (SWAP_FROM, TO_LAYERWISE)],
+                         ids=["every-move-loads", "the-old-owner-goes-layerwise"])
+async def test_a_hand_off_that_cannot_release_first_peaks_at_old_and_new_as_predicted(
+        start: str, to: str) -> None:
+    """SGLang's test_component_residency.py::test_warmup_records_use_and_transition_peaks
+    (an idle->component transition's peak counts the component it loads) and
+    ::test_warmup_attributes_prefetch_peak_to_prefetched_component (old and new held together
+    are both counted): a change that only loads (both encoders onto the device), or whose
+    leaving component goes layerwise in the same transaction, peaks at the text encoder's
+    and the transformer's resident bytes together, as ResidencyChange predicted."""
+    predicted, measured = await hand_off_peak(start, to)
+    assert predicted == measured == 91904 + 63296
+
+
+async def test_a_released_first_hand_off_predicts_the_larger_owner_as_its_peak() -> None:
+    """SGLang's test_component_residency.py::test_warmup_splits_sequential_component_transition
+    (text_encoder->idle, then idle->transformer, each its own peak): the swap released first
+    is predicted, and measured, at the text encoder's bytes alone."""
+    predicted, measured = await hand_off_peak(SWAP_FROM, SWAP_TO)
+    assert predicted == measured == 91904
+
+
+async def test_a_plan_whose_hand_off_would_pass_its_budget_is_refused_before_anything_moves(
+        ) -> None:
+    """SGLang's test_component_residency.py::
+    test_warmup_attributes_prefetch_peak_to_prefetched_component (the transition peak holds
+    both): a plan under 155200 bytes, applied from a layout whose hand-off holds the resident
+    text encoder and the loaded transformer together (155200 bytes), raises
+    HandOffExceedsBudget naming peak, budget and components, and nothing moved; its budget
+    at the peak applies, measured at that peak."""
+    from lifecycle import HandOffExceedsBudget
+    from lifecycle.demo import DemoPipeline
+
+    pipe = DemoPipeline.build(2**16)
+    async with LifecycleController(device_layer=FaultyDevice(), residency=SWAP_FROM) as ctl:
+        await ctl.attach(pipe)
+        planned = await ctl.plan(160000, uses=["text_encoder", "transformer", "vae"])
+        plan = dataclasses.replace(planned, config=ResidencyConfig.parse(TO_LAYERWISE),
+                                   budget_bytes=155199)
+        before = ctl.report()
+        ctl.reset_peak()
+        with pytest.raises(HandOffExceedsBudget, match=re.escape(
+                "would hold 155200 device bytes at its transient peak (old and new "
+                "placements of ['text_encoder', 'transformer'] held together, from 91904 "
+                "held now), over the plan's device budget of 155199 bytes")):
+            await ctl.set_residency(plan, validate=False)
+        assert ctl.report().components == before.components
+        assert ctl.report().peak_device_bytes == 91904
+        assert ctl.config.to_string() == before_config(ctl)
+        change = await ctl.set_residency(dataclasses.replace(plan, budget_bytes=155200),
+                                         validate=False)
+        assert change.transient_peak_bytes == ctl.report().peak_device_bytes == 155200
+
+
+async def test_a_plan_reports_the_transient_peak_of_applying_it_from_the_layout_held_now(
+        ) -> None:
+    """SGLang's test_component_residency.py::test_warmup_splits_sequential_component_transition
+    (a swap's peaks taken one owner at a time): the plan moving residency from the text
+    encoder to the transformer reports the text encoder's 91904 bytes as its transient peak,
+    in explain() and as_dict() too, and applying it measures that peak."""
+    from lifecycle.demo import DemoPipeline
+
+    pipe = DemoPipeline.build(2**16)
+    async with LifecycleController(device_layer=FaultyDevice(), residency=SWAP_FROM) as ctl:
+        await ctl.attach(pipe)
+        plan = await ctl.plan(160000, uses=["text_encoder", "transformer", "vae"])
+        assert plan.config.to_string() == ResidencyConfig.parse(SWAP_TO).to_string()
+        assert plan.transient_peak_bytes == plan.as_dict()["transient_peak_bytes"] == 91904
+        assert "applying it from the layout held now peaks at " in plan.explain()
+        ctl.reset_peak()
+        change = await ctl.set_residency(plan, validate=False)
+        assert change.transient_peak_bytes == ctl.report().peak_device_bytes == 91904
+
+
+def test_the_hand_off_peak_is_each_step_held_plus_what_it_allocates() -> None:
+    """SGLang's test_component_residency.py::test_warmup_splits_sequential_component_transition
+    (a swap split into text_encoder->idle and idle->transformer): the same 100-byte owner
+    released before a 60-byte one loads peaks at 100, in one transaction at 160."""
+    from lifecycle._handoff import Reshape, hand_off_peak
+
+    release, load = Reshape("text_encoder", 100, 0, 0), Reshape("transformer", 0, 60, 60)
+    assert hand_off_peak(100, [[release], [load]]) == 100
+    assert hand_off_peak(100, [[release, load]]) == 160
+    assert hand_off_peak(100, [[load], [release]]) == 160
