@@ -67,7 +67,7 @@ from ._filebacking import after_update, verify_checkpoint
 from ._group import Collective, describe
 from ._hostbudget import derive_budgets
 from ._hostbudget import local_world_size as local_world_size_of
-from ._hosttiers import plan_mirrors
+from ._hosttiers import plan_mirrors, plan_reshape
 from ._loaders import NameMap, disk_plan, tensors_plan
 from ._lora import LoraBases, plan_tensors
 from ._measure import Measurer, fixed_modes, is_auto
@@ -550,6 +550,9 @@ class LifecycleController:
         with events.bound(transition="set_residency", transition_id=next(_ids)):
             async with self._uses.drained("set_residency"):
                 self._components.rescan("set_residency")
+                # Refused before the first allocation when its host buffers do not fit.
+                plan_reshape(self._layer, {n: self._components[n] for n in wanted}, wanted,
+                             self.phase is Phase.AWAKE)
                 with self._components.moving("set_residency"):
                     copied = await self._hand_off(wanted)
             self.config = config

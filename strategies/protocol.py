@@ -26,7 +26,14 @@ from ._guard import ComputeGuard
 from ._inventory import Unit
 from ._layerwise import check_block_lists
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
-from ._regroup import RegroupMove, RestoreMove, needs_restore, prepare_regroup, prepare_restore
+from ._regroup import (
+    RegroupMove,
+    RestoreMove,
+    needs_restore,
+    prepare_regroup,
+    prepare_restore,
+    regroup_host_plan,
+)
 from ._resident import ResidentStrategy
 from ._store import Move, PreparedMove, StoreReport, TensorStore
 from ._write import WriteMove, WriteSource, host_backup_bytes
@@ -66,5 +73,6 @@ __all__ = [
     "prepare_restore",
     "prepare_undiscard",
     "record_files",
+    "regroup_host_plan",
     "safetensors_regions",
 ]
