@@ -76,7 +76,7 @@ from ._group import Collective, describe
 from ._handoff import Reshape, hand_off_peak
 from ._hostbudget import derive_budgets
 from ._hostbudget import local_world_size as local_world_size_of
-from ._hosttiers import plan_mirrors
+from ._hosttiers import plan_mirrors, plan_reshape
 from ._loaders import NameMap, disk_plan, tensors_plan
 from ._lora import LoraBases, plan_tensors
 from ._measure import Measurer, fixed_modes, is_auto
@@ -575,6 +575,9 @@ class LifecycleController:
                 # (A plan shrinking a layout already over its budget peaks at what is held.)
                 if budget is not None and peak > max(budget, held):
                     raise HandOffExceedsBudget(peak, budget, list(wanted), held)
+                # Refused before the first allocation when its host buffers do not fit.
+                plan_reshape(self._layer, {n: self._components[n] for n in wanted}, wanted,
+                             self.phase is Phase.AWAKE)
                 with self._components.moving("set_residency"):
                     copied = await self._hand_off(wanted)
             self.config = config

@@ -9,18 +9,22 @@ budget goes first to streamed layers (layerwise offload: copied at every forward
 offloaded components (copied at every request), then to resident ones (copied only at sleep
 and wake), larger units first within each (bytes moved per use); the rest stay pageable
 (staged through the layer's pinned buffers on CUDA). Each store keeps why, for the report.
+
+A residency change is checked the same way by :func:`plan_reshape`, before its first
+allocation: every host buffer its regroups will allocate (old buffers are not counted as
+freed before it is done).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from strategies import DeviceLayer, ResidencyMode
-from strategies.protocol import Unit
+from strategies.protocol import Shape, Unit, regroup_host_plan
 
 from ._uses import Component
 
-__all__ = ["plan_mirrors"]
+__all__ = ["plan_mirrors", "plan_reshape"]
 
 # Lower first: what gets the pin budget first, and why.
 _RANKS = {ResidencyMode.LAYERWISE_OFFLOAD: (0, "streamed layers get pins first"),
@@ -63,4 +67,34 @@ def plan_mirrors(layer: DeviceLayer, wanted: Iterable[tuple[Component, Sequence[
         store.pin_reason = (why if pin else
                             "pageable: the pin budget went to units moved more often" if
                             layer.pinned else "pageable: this layer pins nothing")
+    return needed
+
+
+def plan_reshape(layer: DeviceLayer, components: Mapping[str, Component],
+                 wanted: Mapping[str, Shape], awake: bool) -> int:
+    """Refuse a residency change (``wanted``: the new shapes) whose host buffers would pass
+    the host budget, before it allocates: :class:`~strategies.HostBudgetExceeded` naming
+    the components that need them. Returns the host bytes it adds.
+
+    Counts every fresh host buffer of its regroups (pinned within the pin budget, in the
+    order the allocations ask, as they decide; else pageable). The old stores' host buffers
+    are not counted as freed: they stay held at least until the change is done (a hand-off
+    while awake commits in two transactions, and the first one's old mirrors are still
+    held while the second allocates), so the whole change is checked at once."""
+    ledger = layer.host
+    pinned_extra = needed = 0
+    names: list[str] = []
+    for name, shape in wanted.items():
+        c = components[name]
+        old = c.strategy.store
+        new = shape.store(name, c.module, layer, layout=old)
+        fresh = regroup_host_plan(old, new, shape.awake_units(new) if awake else [])
+        for u in fresh:
+            pin = ledger.would_pin(u.nbytes, layer.pinned, pinned_extra)
+            cost = ledger.cost(u.nbytes, pin)
+            pinned_extra += cost if pin else 0
+            needed += cost
+        if fresh:
+            names.append(name)
+    ledger.check(needed, f"set_residency of {', '.join(names)}")
     return needed

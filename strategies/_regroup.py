@@ -33,7 +33,7 @@ from ._inventory import Storage, Unit
 from ._store import Progress, TensorStore
 
 __all__ = ["RegroupMove", "RestoreMove", "needs_restore", "prepare_regroup", "prepare_restore",
-           "regroup_device_bytes"]
+           "regroup_device_bytes", "regroup_host_plan"]
 
 
 @dataclass(eq=False)
@@ -184,6 +184,25 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
                 await new.copy_pairs(pairs[to], to, progress)
                 move.bytes_copied += sum(int(d.nbytes) for d, _ in pairs[to])
     return move
+
+
+def regroup_host_plan(old: TensorStore, new: TensorStore, on_device: Sequence[Unit]
+                      ) -> list[Unit]:
+    """The new units :func:`prepare_regroup` (same arguments) will give a fresh host
+    buffer, in its allocation order; allocates nothing. (Units it carries over keep the old
+    unit's mirror; the old buffers stay held until the move is done with.)"""
+    by_tensor = {id(slot.tensor): st for st in old.storages() for slot in st.slots}
+    old_of = {id(st): by_tensor[id(st.slots[0].tensor)] for st in new.storages()}
+    device_ids = {id(u) for u in on_device}
+    fresh: list[Unit] = []
+    for unit in new.units:
+        if id(unit) in device_ids:
+            continue
+        same = _same_storages(unit, old_of, old)
+        if same is None or not (same.where == "host" or (
+                same.host is not None and not same.dirty())):
+            fresh.append(unit)
+    return fresh
 
 
 @dataclass(eq=False)

@@ -33,6 +33,7 @@ from ._regroup import (
     prepare_regroup,
     prepare_restore,
     regroup_device_bytes,
+    regroup_host_plan,
 )
 from ._resident import ResidentStrategy
 from ._store import Move, PreparedMove, StoreReport, TensorStore
@@ -74,5 +75,6 @@ __all__ = [
     "prepare_undiscard",
     "record_files",
     "regroup_device_bytes",
+    "regroup_host_plan",
     "safetensors_regions",
 ]

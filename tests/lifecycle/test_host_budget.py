@@ -117,13 +117,16 @@ async def test_an_attach_whose_host_copies_do_not_fit_is_refused_with_nothing_at
 async def test_a_residency_change_past_the_budget_is_refused_and_rolled_back(
         make: Make) -> None:
     """Offloading a resident component needs new host mirrors: past the budget the change
-    raises HostBudgetExceeded at the allocation that would pass it, and the old residency
-    stays exactly as it was."""
+    raises HostBudgetExceeded before its first allocation, and the old residency stays
+    exactly as it was."""
     ctl, pipe, expected = await make()
     ctl.set_host_budget(ctl.report().host_held_bytes)
     report, before = ctl.report(), state(pipe)
-    with pytest.raises(HostBudgetExceeded):
+    allocations = ctl.device_layer.allocations
+    with pytest.raises(HostBudgetExceeded) as info:
         await ctl.set_residency("transformer=component-offload")
+    assert info.value.what == "set_residency of transformer"
+    assert ctl.device_layer.allocations == allocations
     assert ctl.report() == report and ctl.config.to_string() == ""
     assert same(state(pipe), before)
     assert ctl.device_layer.host.refused == 1
@@ -240,4 +243,118 @@ async def test_with_no_pin_budget_every_mirror_is_pageable_and_staged_bit_exact(
     assert (report.pinned_bytes, report.host_held_pinned) == (0, 0)
     assert report.pageable_bytes == report.host_bytes > 0
     assert (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+# The mode changes of the transformer that allocate host memory (the others regroup over
+# the same units, or only come onto the device): awake, what goes on the host in a new
+# grouping; asleep, every regrouped mirror.
+OFFLOADS = ["component-offload", "snapshot-offload"]
+HOST_PAIRS = [(False, "resident", b) for b in MODES[1:]] + \
+    [(False, a, "layerwise-offload") for a in OFFLOADS] + \
+    [(False, "layerwise-offload", b) for b in OFFLOADS] + \
+    [(True, a, b) for a in MODES for b in MODES
+     if a != b and not (a in OFFLOADS and b in OFFLOADS)]
+
+
+async def reshape_need(make: Make, residency: str | None, change: str, *,
+                       asleep: bool = False, cycled: bool = False) -> int:
+    """The most host bytes ``set_residency(change)`` adds at once, measured by the ledger's
+    peak on a controller of its own (``residency`` at attach; asleep, or after a sleep and
+    a wake) with no host budget and nothing pinned."""
+    ctl, _, _ = await make(residency, pin_budget=0)
+    if asleep or cycled:
+        assert (await ctl.sleep()).success
+    if cycled:
+        assert (await ctl.wake()).success
+    ledger = ctl.device_layer.host
+    held = ledger.held().total
+    ledger.peak = held
+    assert (await ctl.set_residency(change)).success
+    return ledger.peak - held
+
+
+@pytest.mark.parametrize(("asleep", "source", "target"), HOST_PAIRS,
+                         ids=[f"{'asleep' if z else 'awake'}:{a}>{b}" for z, a, b in HOST_PAIRS])
+async def test_a_residency_change_is_refused_before_allocating_one_byte_short_of_its_peak(
+        make: Make, source: str, target: str, asleep: bool) -> None:
+    """With nothing pinned (past the pin budget a mirror is made pageable instead), a budget
+    one byte short of the change's measured host peak refuses it with the numbers before
+    any allocation (config, placement, weights and output unchanged); a budget of exactly
+    that peak lets it commit, bit-exact."""
+    need = await reshape_need(make, f"transformer={source}", f"transformer={target}",
+                              asleep=asleep)
+    ctl, pipe, expected = await make(f"transformer={source}", pin_budget=0)
+    if asleep:
+        assert (await ctl.sleep()).success
+    layer = ctl.device_layer
+    held = layer.host.held().total
+    assert need > 0
+    ctl.set_host_budget(held + need - 1, pin_budget=0)
+    report, before, allocations = ctl.report(), state(pipe), layer.allocations
+    with pytest.raises(HostBudgetExceeded) as info:
+        await ctl.set_residency(f"transformer={target}")
+    assert (info.value.needed, info.value.held, info.value.budget) == \
+        (need, held, held + need - 1)
+    assert info.value.what == "set_residency of transformer"
+    assert (layer.allocations, layer.host.held().total) == (allocations, held)
+    assert ctl.report().components == report.components
+    assert ctl.config.to_string() == f"transformer={source}"
+    assert same(state(pipe), before)
+    ctl.set_host_budget(held + need, pin_budget=0)
+    assert (await ctl.set_residency(f"transformer={target}")).success
+    assert layer.host.peak <= held + need
+    if asleep:
+        assert (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+async def test_a_hand_off_is_checked_whole_before_its_first_transaction(make: Make) -> None:
+    """Offloading the text encoder (committed first) while streaming the transformer is
+    checked over both transactions (nothing pinned): a budget one byte short of their mirrors together is
+    refused before the first allocation, the text encoder still resident; exactly that
+    commits bit-exact."""
+    change = "text_encoder=component-offload,transformer=layerwise-offload"
+
+    async def woken() -> tuple[LifecycleController, DemoPipeline, torch.Tensor]:
+        made = await make(pin_budget=0)
+        assert (await made[0].sleep()).success and (await made[0].wake()).success
+        return made
+
+    need = await reshape_need(make, None, change, cycled=True)
+    encoder = await reshape_need(make, None, "text_encoder=component-offload", cycled=True)
+    streamed = await reshape_need(make, None, "transformer=layerwise-offload", cycled=True)
+    assert 0 < encoder < need == encoder + streamed
+    ctl, pipe, expected = await woken()
+    layer = ctl.device_layer
+    ctl.set_host_budget(layer.host.held().total + need - 1, pin_budget=0)
+    allocations = layer.allocations
+    with pytest.raises(HostBudgetExceeded) as info:
+        await ctl.set_residency(change)
+    assert (info.value.needed, layer.allocations) == (need, allocations)
+    assert info.value.what == "set_residency of text_encoder, transformer"
+    assert ctl.config.to_string() == "" and layer.host.refused == 1
+    ctl.set_host_budget(layer.host.held().total + need, pin_budget=0)
+    assert (await ctl.set_residency(change)).success
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
+@pytest.mark.parametrize("target", MODES[1:])
+async def test_a_residency_change_past_the_pin_budget_makes_its_new_mirrors_pageable(
+        make: Make, target: str) -> None:
+    """On the CUDA layer (over a simulated GPU) with a pin budget spent already, offloading
+    the transformer is not refused: its new mirrors are pageable, nothing more is pinned,
+    and it serves, sleeps and wakes bit-exact."""
+    from strategies._testing import sim_cuda_layer
+
+    ctl, pipe, expected = await make(layer=sim_cuda_layer())
+    pinned = ctl.report().host_held_pinned
+    ctl.set_host_budget(None, pin_budget=pinned)
+    assert (await ctl.set_residency(f"transformer={target}")).success
+    transformer = ctl.report().components["transformer"]
+    assert ctl.report().host_held_pinned == pinned
+    assert transformer.pinned_bytes == 0 and transformer.pageable_bytes > 0
+    assert ctl.device_layer.host.unpinned > 0
+    assert torch.equal(await output(ctl, pipe), expected)
+    assert (await ctl.sleep()).success and (await ctl.wake()).success
     assert torch.equal(await output(ctl, pipe), expected)
