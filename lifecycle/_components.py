@@ -366,6 +366,8 @@ class Components(Mapping[str, Component]):
             strategy = shape.strategy(c.name, new)
             strategy.forward_check = functools.partial(self.check_forward, c.name)
             c.strategy = strategy
+            if c.guard is not None:  # training forwards are the new store's to note (and the
+                c.guard.on_training_forward = new.note_training_forward  # old one is freed)
             if shape.mode is ResidencyMode.LAYERWISE_OFFLOAD:
                 if c.module not in self._enabled:
                     self._enabled.append(c.module)

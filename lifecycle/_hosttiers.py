@@ -77,10 +77,11 @@ def plan_reshape(layer: DeviceLayer, components: Mapping[str, Component],
     the components that need them. Returns the host bytes it adds.
 
     Counts every fresh host buffer of its regroups (pinned within the pin budget, in the
-    order the allocations ask, as they decide; else pageable). The old stores' host buffers
-    are not counted as freed: they stay held at least until the change is done (a hand-off
-    while awake commits in two transactions, and the first one's old mirrors are still
-    held while the second allocates), so the whole change is checked at once."""
+    order the allocations ask, as they decide; else pageable). The whole change is checked
+    at once, and the old stores' host buffers are not credited as freed: a hand-off while
+    awake commits in two transactions and the first one's old mirrors are freed at its
+    commit, so the check may refuse a change that would fit only thanks to them (it
+    over-counts by at most those mirrors), never admit one that does not fit."""
     ledger = layer.host
     pinned_extra = needed = 0
     names: list[str] = []

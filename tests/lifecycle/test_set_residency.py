@@ -4,6 +4,7 @@ every point: test_cancellation.py)."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import weakref
 from typing import Any
@@ -273,3 +274,21 @@ async def test_peak_counts_a_resident_pipeline_and_falls_to_what_is_held_after_s
         else:  # the CUDA layer: the allocator's blocks hold the pipeline (rounded up)
             allocator_peak = ctl.report().allocator_peak_bytes
             assert allocator_peak is not None and allocator_peak >= size
+
+
+@pytest.mark.parametrize("after", ["component-offload", "layerwise-offload"])
+async def test_a_change_frees_the_old_store_and_its_guard_notes_the_new_one(after: str) -> None:
+    """After a change the old store (and the host mirrors it holds) is garbage: the
+    component's forward guard tells the new store of training forwards, not the old one
+    (it kept the old store alive, and noted training forwards where nobody looked)."""
+    ctl, _, _ = await _attached()
+    await ctl.sleep()
+    await ctl.wake()  # the resident components now hold host mirrors
+    old = weakref.ref(ctl.strategy("transformer").store)
+    await ctl.set_residency(f"transformer={after}")
+    gc.collect()
+    assert old() is None
+    guard = ctl._components["transformer"].guard
+    assert guard is not None
+    assert getattr(guard.on_training_forward, "__self__", None) is ctl.strategy("transformer").store
+    await ctl.aclose()

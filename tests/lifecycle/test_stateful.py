@@ -291,9 +291,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     @invariant()
     def weights_are_the_models_version(self) -> None:
         sums = fingerprints(self.pipe)
-        if self.weights is None:  # stale: the transformer's values are undefined
-            sums.pop("transformer")
-        elif self.file_backed and self.phase is Phase.SLEEPING:  # in its files (placeholders)
+        # Stale: the transformer's values are undefined; file-backed and asleep: its weights
+        # are in their files only (its tensors hold placeholders until the wake reads them).
+        if self.weights is None or (self.file_backed and self.phase is Phase.SLEEPING):
             sums.pop("transformer")
         assert sums.items() <= SUMS[self.weights or "orig"].items()
 
