@@ -543,8 +543,13 @@ class WeightUpdateGroup:
             raise self._failed(why) from None
         if answer[0] != "received":
             _, index, category = answer
-            raise self._failed(f"the trainer's broadcast of {where(index)} failed after "
-                               f"{time.monotonic() - t0:.3g} s: {category}")
+            after = f"{time.monotonic() - t0:.3g} s"
+            # The child's own wait ends at the same deadline as the server's (whichever
+            # notices first): one message for both.
+            raise self._failed(f"the update's deadline passed at {where(index)} ({after})"
+                               if category == "timed out" else
+                               f"the trainer's broadcast of {where(index)} failed after "
+                               f"{after}: {category}")
         views = []
         offset = _HEADER
         for i, spec in enumerate(specs):

@@ -101,6 +101,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         return LifecycleController(device_layer=self.layer, residency=RESIDENCY, drain_timeout=5.0)
 
     def teardown(self) -> None:
+        # Closed before its loop ends: an open controller's copies still in flight would be
+        # freed by the garbage collector later, in another example (reported there).
+        self.portal.call(self.ctl.aclose)
         self._portal_cm.__exit__(None, None, None)
         self.tmp.cleanup()
 
