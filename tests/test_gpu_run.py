@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -104,8 +105,10 @@ def test_from_a_fresh_checkout_tests_past_the_budget_and_a_slow_benchmark_fail_t
     assert test["reason"].startswith("budget:")
     bench = doc["benchmarks"]["bench_update"]
     assert bench["status"] == "fail" and "timed out" in bench["error"]
-    # SIGABRT first: the fault handler's dump of its stack ends in `python -m`'s own frame.
-    assert 'in _run_module_as_main' in bench["stderr_tail"]
+    # SIGABRT first: the fault handler dumps its stack. Killed at 0.3 s the benchmark may
+    # still be importing torch, a stack deep enough for faulthandler to cut it at 100 frames
+    # before `python -m`'s own; any frame line in faulthandler's format shows the dump.
+    assert re.search(r'File "[^"]+", line \d+ in \w+', bench["stderr_tail"]), bench["stderr_tail"]
     assert doc["summary"]["failed"] == ["bench_update"]
     assert doc["summary"]["budget_skipped"] == [
         "device::host_mirrors_are_page_locked_and_counted"]
