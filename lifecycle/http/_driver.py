@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio.to_thread
+import torch
 
 from .. import (
     LifecycleController,
@@ -26,10 +27,14 @@ from .. import (
 )
 from .._discard import Discard
 from ._checker import WeightsChecker
-from ._transport import FD_TIMEOUT
-from ._wire import Decoded, TensorRequest, decode_entry, device_uuid, pick_entry
+from ._transport import FD_TIMEOUT, TransportError, decode_base64, decode_modules
+from ._wire import Decoded, TensorRequest, WireRefused, decode_entry, device_uuid, pick_entry
 
-__all__ = ["DISCARDED", "Driver", "Generate", "LocalDriver", "RanksUnavailable", "Upload"]
+__all__ = ["DISCARDED", "Driver", "Generate", "LocalDriver", "RanksUnavailable", "Staging",
+           "Upload"]
+
+#: The process group vLLM's nccl weight transfer joins (lifecycle.http._transfer).
+TRANSFER_GROUP = "vllm_weight_transfer"
 
 # A pipeline's generation: (controller, request body) -> JSON-able answer.
 Generate = Callable[[LifecycleController, Mapping[str, Any]], Awaitable[Mapping[str, Any]]]
@@ -54,6 +59,89 @@ class Upload:
     uuids: Sequence[str] | None
     request: TensorRequest
     fd_timeout: float = FD_TIMEOUT
+
+
+Modules = dict[str, list[tuple[str, torch.Tensor]]]
+
+
+def split_by_module(names: Sequence[str], tensors: Sequence[torch.Tensor],
+                    components: Mapping[str, Any]) -> Modules:
+    """``{module: [(name relative to it, tensor), ...]}``: a name ``module.tensor`` is that
+    module's, a name without a module prefix the transformer's."""
+    out: Modules = {}
+    for name, tensor in zip(names, tensors, strict=True):
+        head, _, rest = name.partition(".")
+        module = head if rest and head in components else "transformer"
+        out.setdefault(module, []).append((name.removeprefix(f"{module}."), tensor))
+    return out
+
+
+def decode_ipc(info: Mapping[str, Any], components: Mapping[str, Any]) -> Modules:
+    """vLLM's ipc ``update_info``: ``ipc_handles_pickled`` (base64 of the pickled ``[(name,
+    tensor), ...]``, read by the tensor-upload path) split by module; the optional ``names``,
+    ``dtype_names`` and ``shapes`` checked against it. Raises :class:`WireRefused`."""
+    payload = info.get("ipc_handles_pickled")  # text; relayed to another rank: its bytes
+    if not isinstance(payload, str | memoryview):
+        raise WireRefused("update_info.ipc_handles_pickled is required for the ipc backend: "
+                          "base64 of the pickled [(name, tensor), ...]")
+    try:
+        bare = decode_modules(decode_base64(payload), None, ("transformer",))["transformer"]
+    except TransportError as exc:
+        raise WireRefused(f"Failed to deserialize update_info.ipc_handles_pickled: {exc}"
+                          ) from None
+    names = [n for n, _ in bare]
+    for key, got in (("names", names), ("dtype_names",
+                                        [str(t.dtype).removeprefix("torch.") for _, t in bare]),
+                     ("shapes", [list(t.shape) for _, t in bare])):
+        want = info.get(key)
+        if want is not None:
+            want = [str(w).removeprefix("torch.") for w in want] if key == "dtype_names" else want
+            if want != got:
+                raise WireRefused(f"update_info.{key} does not match the tensors sent")
+    return split_by_module(names, [t for _, t in bare], components)
+
+
+@dataclass
+class Staging:
+    """What one rank staged for the weight-transfer transaction ``serial`` (vLLM's
+    ``/start_weight_update`` .. ``/finish_weight_update``, lifecycle.http._transfer): host
+    tensors by module, written nowhere until the commit. ``dropped``: the last transaction
+    dropped here; what arrives for it later (a receive that outlived its transaction) is
+    thrown away, never staged into the next one."""
+
+    serial: int = 0
+    dropped: int = 0
+    modules: Modules = field(default_factory=dict)
+
+    def add(self, serial: int, modules: Modules) -> dict[str, int] | None:
+        """Stage ``modules`` for transaction ``serial``; the count staged per module, or None
+        when that transaction was dropped."""
+        if serial <= self.dropped:
+            return None
+        if serial != self.serial:
+            self.serial, self.modules = serial, {}
+        for module, named in modules.items():
+            self.modules.setdefault(module, []).extend(named)
+        return self.counts(serial)
+
+    def counts(self, serial: int) -> dict[str, int]:
+        return {m: len(v) for m, v in self.modules.items()} if serial == self.serial else {}
+
+    def held(self, serial: int) -> int:
+        """Bytes staged for ``serial``."""
+        return sum(t.nbytes for named in self.modules.values() for _, t in named) \
+            if serial == self.serial else 0
+
+    def take(self, serial: int) -> Modules:
+        """Everything staged for ``serial``, no longer staged."""
+        out = self.modules if serial == self.serial else {}
+        self.drop(serial)
+        return out
+
+    def drop(self, serial: int) -> None:
+        self.dropped = max(self.dropped, serial)
+        if self.serial <= serial:
+            self.modules = {}
 
 
 class Driver:
@@ -111,6 +199,36 @@ class Driver:
     async def destroy_weights_update_group(self, group_name: str) -> WeightUpdateGroupResult:
         raise NotImplementedError
 
+    # vLLM's weight transfer (lifecycle.http._transfer): every rank stages the same tensors
+    # for one transaction, and writes them at its commit as one update, or drops them.
+
+    async def stage_ipc(self, serial: int, info: Mapping[str, Any]) -> dict[str, int] | None:
+        """Stage an ipc ``update_info`` for transaction ``serial`` on every rank (all or
+        none: a rank that cannot decode it is named in the :class:`WireRefused`); the count
+        staged per module, or None when the transaction was dropped meanwhile."""
+        raise NotImplementedError
+
+    async def stage_received(self, serial: int, names: Sequence[str], dtypes: Sequence[str],
+                             shapes: Sequence[Sequence[int]], timeout: float
+                             ) -> dict[str, int] | None:
+        """Receive the trainer's broadcast over the transfer group on every rank and stage
+        it (as :meth:`stage_ipc`); raises ``ResidencyError``, ``WeightSyncTransferFailed`` or
+        :class:`WireRefused` naming the ranks where it failed (none staged it)."""
+        raise NotImplementedError
+
+    async def staged(self, serial: int) -> dict[str, int]:
+        """The count staged per module for ``serial`` (rank 0's: every rank stages alike)."""
+        raise NotImplementedError
+
+    async def commit_staged(self, serial: int, weight_version: str | None) -> UpdateResult:
+        """Write what transaction ``serial`` staged, as one update on every rank (every
+        module on every rank, or nothing anywhere); nothing stays staged."""
+        raise NotImplementedError
+
+    async def drop_staged(self, serial: int) -> None:
+        """Drop what transaction ``serial`` staged, on every rank."""
+        raise NotImplementedError
+
     @property
     def can_generate(self) -> bool:
         raise NotImplementedError
@@ -157,6 +275,7 @@ class LocalDriver(Driver):
         self._generate = generate
         self._uuid: str | None = None
         self._checker = WeightsChecker()
+        self.staging = Staging()
 
     @property
     def world_size(self) -> int:
@@ -233,6 +352,39 @@ class LocalDriver(Driver):
 
     async def destroy_weights_update_group(self, group_name: str) -> WeightUpdateGroupResult:
         return await self.ctl.destroy_weights_update_group(group_name)
+
+    async def decode_ipc(self, info: Mapping[str, Any]) -> Modules:
+        """An ipc ``update_info`` decoded (in a worker thread): see :func:`decode_ipc`."""
+        return await anyio.to_thread.run_sync(functools.partial(
+            decode_ipc, info, self.ctl.components))
+
+    async def receive(self, serial: int, names: Sequence[str], dtypes: Sequence[str],
+                      shapes: Sequence[Sequence[int]], timeout: float) -> Modules:
+        """The trainer's broadcast received into host tensors (lifecycle._weight_sync: its
+        canaries, ``timeout``, the group's staging bound counting what ``serial`` holds)."""
+        tensors = await self.ctl.receive_from_distributed(
+            names, dtypes, shapes, TRANSFER_GROUP, timeout=timeout,
+            held=self.staging.held(serial))
+        return split_by_module(names, tensors, self.ctl.components)
+
+    async def stage_ipc(self, serial: int, info: Mapping[str, Any]) -> dict[str, int] | None:
+        return self.staging.add(serial, await self.decode_ipc(info))
+
+    async def stage_received(self, serial: int, names: Sequence[str], dtypes: Sequence[str],
+                             shapes: Sequence[Sequence[int]], timeout: float
+                             ) -> dict[str, int] | None:
+        return self.staging.add(serial, await self.receive(serial, names, dtypes, shapes,
+                                                           timeout))
+
+    async def staged(self, serial: int) -> dict[str, int]:
+        return self.staging.counts(serial)
+
+    async def commit_staged(self, serial: int, weight_version: str | None) -> UpdateResult:
+        modules = self.staging.take(serial)
+        return await self.ctl.update_weights_from_modules(modules, weight_version=weight_version)
+
+    async def drop_staged(self, serial: int) -> None:
+        self.staging.drop(serial)
 
     @property
     def can_generate(self) -> bool:

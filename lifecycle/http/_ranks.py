@@ -38,9 +38,7 @@ import anyio
 import anyio.to_thread
 
 from .. import (
-    HostBudgetExceeded,
     LifecycleController,
-    LifecycleError,
     OccupationResult,
     Phase,
     TensorHashCheck,
@@ -49,7 +47,7 @@ from .. import (
     WeightUpdateGroupResult,
 )
 from .._discard import Discard
-from ._driver import Driver, LocalDriver, RanksUnavailable, Upload, local_state
+from ._driver import Driver, LocalDriver, Modules, RanksUnavailable, Upload, local_state
 from ._wire import Decoded, TensorRequest, WireRefused, group_refusal, pick_entry
 
 __all__ = ["OpChannel", "OutputsDisagree", "RankDriver", "follow"]
@@ -239,6 +237,25 @@ async def _ready(ctl: LifecycleController, channel: OpChannel, seq: int, group_n
         raise WireRefused(_describe(failures, channel.world_size))
 
 
+async def _staged_everywhere(local: LocalDriver, channel: OpChannel, seq: int, serial: int,
+                             arrive: Callable[[], Awaitable[Modules]], timeout: float
+                             ) -> dict[str, int] | None:
+    """What ``arrive`` brings (a decoded payload, a received broadcast), staged for
+    transaction ``serial`` once every rank has it (``agree``); else nothing is staged on any
+    rank, and :class:`WireRefused` names every rank where it failed and why."""
+    modules: Modules | None = None
+    error: str | None = None
+    try:
+        modules = await arrive()
+    except Exception as exc:  # any failure is this rank's vote: the others must not wait
+        error = str(exc) or type(exc).__name__
+    failures = await anyio.to_thread.run_sync(channel.agree, seq, error, timeout)
+    if failures:
+        raise WireRefused(_describe(failures, channel.world_size))
+    assert modules is not None
+    return local.staging.add(serial, modules)
+
+
 async def _run_op(local: LocalDriver, channel: OpChannel, seq: int, op: Mapping[str, Any]
                   ) -> dict[str, Any]:
     """Run one op on this rank's controller; the answer rank 0 combines."""
@@ -277,13 +294,34 @@ async def _run_op(local: LocalDriver, channel: OpChannel, seq: int, op: Mapping[
             return (await local.update_weights_from_distributed(args)).as_dict()
         if name == "destroy_weights_update_group":
             return (await local.destroy_weights_update_group(args["group_name"])).as_dict()
+        if name == "stage_ipc":
+            key = args["key"]
+
+            async def relayed() -> Modules:
+                text = await anyio.to_thread.run_sync(channel.get_raw, key)
+                return await local.decode_ipc({**args["info"], "ipc_handles_pickled": text})
+
+            return {"staged": await _staged_everywhere(
+                local, channel, seq, int(args["serial"]), relayed, float(args["agree_timeout"]))}
+        if name == "stage_received":
+            serial = int(args["serial"])
+            return {"staged": await _staged_everywhere(
+                local, channel, seq, serial, lambda: local.receive(
+                    serial, args["names"], args["dtypes"], args["shapes"],
+                    float(args["timeout"])), float(args["agree_timeout"]))}
+        if name == "commit_staged":
+            return (await local.commit_staged(int(args["serial"]),
+                                              args["weight_version"])).as_dict()
+        if name == "drop_staged":
+            await local.drop_staged(int(args["serial"]))
+            return {"success": True}
         if name == "generate":
             return dict(await local.generate(args["body"]))
         if name == "state":
             return local_state(local.ctl)
         return {"error": "UnknownOp", "message": f"unknown op {name!r}"}
-    except (LifecycleError, ValueError, KeyError, OSError, HostBudgetExceeded) as exc:
-        return _error(exc)
+    except Exception as exc:  # this rank's answer: a rank that stopped following would
+        return _error(exc)    # leave rank 0 waiting for it, then the server without it
 
 
 async def follow(ctl: LifecycleController, local: LocalDriver, channel: OpChannel) -> None:
@@ -574,6 +612,62 @@ class RankDriver(Driver):
             {"op": "destroy_weights_update_group", "args": {"group_name": group_name}},
             lambda: self.local.destroy_weights_update_group(group_name))
         return self._joined(group_name, mine, answers)
+
+    async def stage_ipc(self, serial: int, info: Mapping[str, Any]) -> dict[str, int] | None:
+        payload = info.get("ipc_handles_pickled")
+        if not isinstance(payload, str):  # refused here, before any rank is asked
+            return await self.local.stage_ipc(serial, info)
+        rest = {k: v for k, v in info.items() if k != "ipc_handles_pickled"}
+        keys: list[str] = []
+
+        async def relay(seq: int) -> dict[str, Any]:  # one copy, as it came
+            key = f"payload/{seq}/ipc"
+            try:
+                keys.extend(await anyio.to_thread.run_sync(self.channel.put_raw, key, payload))
+            except RuntimeError as exc:  # the store failed (a torch.distributed error)
+                raise RanksUnavailable(f"the ranks' store did not take the payload: "
+                                       f"{exc}") from None
+            return {"serial": serial, "key": key, "info": rest, "agree_timeout": self.timeout}
+
+        async def here(seq: int) -> dict[str, int] | None:
+            try:
+                return await _staged_everywhere(self.local, self.channel, seq, serial,
+                                                lambda: self.local.decode_ipc(info),
+                                                self.timeout)
+            finally:  # every rank has read the payload (or given up)
+                await anyio.to_thread.run_sync(self.channel.delete, list(keys))
+
+        result, _ = await self._call("stage_ipc", relay, here)
+        return result  # type: ignore[no-any-return]
+
+    async def stage_received(self, serial: int, names: Sequence[str], dtypes: Sequence[str],
+                             shapes: Sequence[Sequence[int]], timeout: float
+                             ) -> dict[str, int] | None:
+        # The vote waits for a rank whose receive ends later than this one's (its own
+        # deadline is the same ``timeout``), and then as long as for any other answer.
+        agree_timeout = timeout + self.timeout
+        args = {"serial": serial, "names": list(names), "dtypes": list(dtypes),
+                "shapes": [list(s) for s in shapes], "timeout": timeout,
+                "agree_timeout": agree_timeout}
+        result, _ = await self._call("stage_received", args, lambda seq: _staged_everywhere(
+            self.local, self.channel, seq, serial,
+            lambda: self.local.receive(serial, names, dtypes, shapes, timeout),
+            agree_timeout))
+        return result  # type: ignore[no-any-return]
+
+    async def staged(self, serial: int) -> dict[str, int]:
+        return await self.local.staged(serial)
+
+    async def commit_staged(self, serial: int, weight_version: str | None) -> UpdateResult:
+        # The controllers' update is collective: every rank writes, or none (lifecycle._group).
+        result, _ = await self._everywhere(
+            {"op": "commit_staged", "args": {"serial": serial, "weight_version": weight_version}},
+            lambda: self.local.commit_staged(serial, weight_version))
+        return result  # type: ignore[no-any-return]
+
+    async def drop_staged(self, serial: int) -> None:
+        await self._everywhere({"op": "drop_staged", "args": {"serial": serial}},
+                               lambda: self.local.drop_staged(serial))
 
     @property
     def can_generate(self) -> bool:

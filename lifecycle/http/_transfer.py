@@ -24,9 +24,11 @@ every module, or none); before it nothing is written, so checksums and generatio
 old weights; an abandoned or failed transaction drops what it staged (nothing to restore).
 Generations wait from start to finish (the pause mode ``keep``).
 
-One rank only (``serve`` without ``--nproc``): the staging is rank 0's; a
-server of several ranks refuses ``/init_weight_transfer_engine`` naming the process-group
-routes, which every rank serves.
+On a server of several ranks (``serve --nproc``) every rank stages the same tensors (rank 0
+relays an ipc payload to the others through the ranks' store; each rank joins the trainer's
+group as ``rank_offset`` plus its rank and receives the broadcast itself): a call that fails on
+one rank fails on all, naming it, and nothing of it is staged anywhere; finish is one
+collective update, written on every rank or on none (lifecycle.http._ranks).
 
 A transaction not finished within ``init_info.update_timeout`` seconds of its start (ours;
 default 300: the trainer gone), or whose update failed, is abandoned and rolled back; the next
@@ -35,16 +37,15 @@ call says so.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.to_thread
-import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -52,13 +53,12 @@ from strategies import ResidencyError
 
 from .._weight_sync import WeightSyncTransferFailed
 from ._app import _body, _refused, _Service, _service, _update_response
-from ._driver import RanksUnavailable
-from ._transport import TransportError, decode_base64, decode_modules
+from ._driver import TRANSFER_GROUP, RanksUnavailable
 from ._wire import WireRefused
 
 __all__ = ["TRANSFER_ROUTES", "WeightTransfer"]
 
-GROUP = "vllm_weight_transfer"
+GROUP = TRANSFER_GROUP
 DEFAULT_TIMEOUT = 300.0
 _NOT_STARTED = ("update_weights requires a preceding start_weight_update. "
                 "Call POST /start_weight_update first.")
@@ -75,8 +75,7 @@ class WeightTransfer:
     backend: str | None = None
     active: bool = False
     started: float = 0.0
-    serial: int = 0  # which transaction (a receive that outlived its own one stages nothing)
-    staged: dict[str, list[tuple[str, torch.Tensor]]] = field(default_factory=dict)
+    serial: int = 0  # which transaction (each rank's staging is keyed by it: _driver.Staging)
     paused_by_us: bool = False
     abandoned: str | None = None  # why the last transaction was rolled back
 
@@ -95,7 +94,8 @@ def _conflict(message: str) -> Exception:
 
 async def _end(service: _Service, transfer: WeightTransfer) -> None:
     transfer.active = False
-    transfer.staged = {}
+    with contextlib.suppress(RanksUnavailable):  # a rank gone: its staging went with it
+        await service.driver.drop_staged(transfer.serial)
     if transfer.paused_by_us:
         transfer.paused_by_us = False
         service.generations.resume()
@@ -113,24 +113,6 @@ async def _check_expiry(service: _Service, transfer: WeightTransfer) -> None:
                                             "its start (the trainer gone?); rolled back")
 
 
-def _split(names: list[str], components: Mapping[str, Any]) -> list[tuple[str, list[int]]]:
-    """Contiguous runs of one module: (module, indices); a name without a module prefix is
-    the transformer's."""
-    runs: list[tuple[str, list[int]]] = []
-    for i, name in enumerate(names):
-        head, _, rest = name.partition(".")
-        module = head if rest and head in components else "transformer"
-        if runs and runs[-1][0] == module:
-            runs[-1][1].append(i)
-        else:
-            runs.append((module, [i]))
-    return runs
-
-
-def _relative(name: str, module: str) -> str:
-    return name.removeprefix(f"{module}.")
-
-
 async def init_weight_transfer_engine(request: Request) -> Response:
     service = _service(request)
     transfer = _transfer(service)
@@ -142,10 +124,6 @@ async def init_weight_transfer_engine(request: Request) -> Response:
         raise _refused(f"init_info must be an object, got {type(info).__name__}")
     if transfer.active:
         raise _conflict(_STARTED)
-    if service.driver.world_size > 1:  # its copies and staging are rank 0's alone
-        raise _refused(f"the weight-transfer routes serve one rank; this server has "
-                       f"{service.driver.world_size}: use /init_weights_update_group and "
-                       "/update_weights_from_distributed (every rank joins the trainer's group)")
     timeout = info.get("update_timeout", DEFAULT_TIMEOUT)  # ours: seconds start -> finish
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise _refused(f"init_info.update_timeout must be a number of seconds above 0, got "
@@ -194,34 +172,6 @@ async def start_weight_update(request: Request) -> Response:
     return JSONResponse({"message": "Weight update started"})
 
 
-def _decoded_ipc(service: _Service, info: Mapping[str, Any]
-                 ) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    payload = info.get("ipc_handles_pickled")
-    if not isinstance(payload, str):
-        raise WireRefused("update_info.ipc_handles_pickled is required for the ipc backend: "
-                          "base64 of the pickled [(name, tensor), ...]")
-    try:
-        data = decode_base64(payload)
-        bare = decode_modules(data, None, ("transformer",))["transformer"]
-    except TransportError as exc:
-        raise WireRefused(f"Failed to deserialize update_info.ipc_handles_pickled: {exc}"
-                          ) from None
-    names = [n for n, _ in bare]
-    for key, got in (("names", names), ("dtype_names",
-                                        [str(t.dtype).removeprefix("torch.") for _, t in bare]),
-                     ("shapes", [list(t.shape) for _, t in bare])):
-        want = info.get(key)
-        if want is not None:
-            want = [str(w).removeprefix("torch.") for w in want] if key == "dtype_names" else want
-            if want != got:
-                raise WireRefused(f"update_info.{key} does not match the tensors sent")
-    out: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for module, indices in _split(names, service.ctl.components):
-        out.setdefault(module, []).extend(
-            (_relative(names[i], module), bare[i][1]) for i in indices)
-    return out
-
-
 async def update_weights(request: Request) -> Response:
     service = _service(request)
     transfer = _transfer(service)
@@ -236,23 +186,25 @@ async def update_weights(request: Request) -> Response:
         raise _refused("Missing 'update_info' in request body")
     if not isinstance(info, dict):
         raise _refused(f"update_info must be an object, got {type(info).__name__}")
-    if transfer.backend == "ipc":
+    serial = transfer.serial
+    if transfer.backend == "ipc":  # every rank decodes it (a rank that cannot: all refuse)
         try:
-            modules = await anyio.to_thread.run_sync(functools.partial(
-                _decoded_ipc, service, info))
-        except WireRefused as exc:
+            staged = await service.driver.stage_ipc(serial, info)
+        except (WireRefused, RanksUnavailable) as exc:
             raise _refused(str(exc)) from None
-        for module, named in modules.items():
-            transfer.staged.setdefault(module, []).extend(named)
-        return JSONResponse({"message": "Weights updated", "staged": {
-            m: len(v) for m, v in transfer.staged.items()}})
-    return await _receive(service, transfer, info)
+    else:
+        staged = await _receive(service, transfer, info)
+    if staged is None or transfer.serial != serial or not transfer.active:
+        # abandoned while it arrived: nothing of it is staged
+        raise _conflict(f"{_NOT_STARTED} (the last update was abandoned: {transfer.abandoned})")
+    return JSONResponse({"message": "Weights updated", "staged": staged})
 
 
 async def _receive(service: _Service, transfer: WeightTransfer, info: Mapping[str, Any]
-                   ) -> Response:
-    """nccl: receive the broadcast into host tensors (lifecycle._weight_sync) and stage them
-    by module; nothing is written before finish."""
+                   ) -> dict[str, int] | None:
+    """nccl: every rank receives the broadcast into host tensors (lifecycle._weight_sync) and
+    stages them by module; nothing is written before finish. A failure on any rank rolls the
+    transaction back on every rank."""
     names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
             and len(names) == len(dtypes) == len(shapes) and names
@@ -265,22 +217,13 @@ async def _receive(service: _Service, transfer: WeightTransfer, info: Mapping[st
         await _roll_back(service, transfer, "a packed broadcast is not received here")
         raise _refused("packed broadcasts are not supported; send packed=false")
     serial = transfer.serial
-    held = sum(t.nbytes for named in transfer.staged.values() for _, t in named)
     left = max(0.001, transfer.started + transfer.timeout - time.monotonic())
-    try:  # one rank (see init): rank 0's controller is this process's
-        tensors = await service.ctl.receive_from_distributed(
-            names, dtypes, shapes, GROUP, timeout=left, held=held)
-    except (ResidencyError, WeightSyncTransferFailed) as exc:
-        if transfer.serial == serial:
+    try:
+        return await service.driver.stage_received(serial, names, dtypes, shapes, left)
+    except (ResidencyError, WeightSyncTransferFailed, WireRefused, RanksUnavailable) as exc:
+        if transfer.serial == serial and transfer.active:
             await _roll_back(service, transfer, str(exc))
         raise _refused(str(exc), rolled_back=True) from None
-    if transfer.serial != serial or not transfer.active:  # abandoned while it arrived
-        raise _conflict(f"{_NOT_STARTED} (the last update was abandoned: {transfer.abandoned})")
-    for module, indices in _split(names, service.ctl.components):
-        transfer.staged.setdefault(module, []).extend(
-            (_relative(names[i], module), tensors[i]) for i in indices)
-    return JSONResponse({"message": "Weights updated", "staged": {
-        m: len(v) for m, v in transfer.staged.items()}})
 
 
 async def finish_weight_update(request: Request) -> Response:
@@ -296,12 +239,14 @@ async def finish_weight_update(request: Request) -> Response:
             f"{_FINISH_NOT_STARTED} (the last update was abandoned: {transfer.abandoned})"
         raise _conflict(message)
     label = None if version is None else str(version)
-    staged = transfer.staged
-    if not staged:
+    if not await service.driver.staged(transfer.serial):
         await _end(service, transfer)
         raise _refused("no weights were sent between start and finish; nothing changed")
-    try:  # everything staged, as one update (all or nothing)
-        result = await service.ctl.update_weights_from_modules(staged, weight_version=label)
+    try:  # everything staged, as one update on every rank (all or nothing)
+        result = await service.driver.commit_staged(transfer.serial, label)
+    except RanksUnavailable as exc:
+        transfer.abandoned = str(exc)
+        raise _refused(str(exc), 503) from None
     finally:
         await _end(service, transfer)
     if not result.success:

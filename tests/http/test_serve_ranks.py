@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from contextlib import AbstractContextManager
+from typing import Any
 
 import anyio
 import httpx
@@ -70,18 +71,16 @@ def test_a_dead_rank_is_named_by_health_and_control_calls_answer_503() -> None:
         assert r.status_code == 503 and time.monotonic() - t0 < 30
 
 
-@pytest.mark.anyio
-async def test_a_call_refused_on_rank_0_leaves_no_keys_in_the_ranks_store() -> None:
-    """Rank 0 refuses a generation while asleep; the other rank ran the op all the same: its
-    answer is collected and the op's keys deleted (a long-lived server refusing generations
-    must not grow the store), and the next op runs on both ranks."""
+async def _in_process_ranks() -> tuple[Any, list[Any], list[Any], Any]:
+    """Two ranks in this process over one HashStore: the demo pipeline attached on each, and
+    rank 0's driver."""
     import torch.distributed as dist
 
-    from lifecycle import ComponentAsleep, LifecycleController
+    from lifecycle import LifecycleController
     from lifecycle.demo import DemoPipeline
     from lifecycle.http import demo_generate
     from lifecycle.http._driver import LocalDriver
-    from lifecycle.http._ranks import OpChannel, RankDriver, follow
+    from lifecycle.http._ranks import OpChannel, RankDriver
 
     store = dist.HashStore()  # type: ignore[attr-defined]
     ctls, locals_ = [], []
@@ -91,11 +90,28 @@ async def test_a_call_refused_on_rank_0_leaves_no_keys_in_the_ranks_store() -> N
         await ctl.attach(pipe)
         ctls.append(ctl)
         locals_.append(LocalDriver(ctl, demo_generate(pipe)))
-    driver = RankDriver(locals_[0], OpChannel(store, 0, 2), timeout=30)
+    return store, ctls, locals_, RankDriver(locals_[0], OpChannel(store, 0, 2), timeout=30)
+
+
+async def _following(tg: Any, store: Any, ctl: Any, local: Any) -> None:
+    """Rank 1 following in ``tg``, once its heartbeat is there."""
+    from lifecycle.http._ranks import OpChannel, follow
+
+    tg.start_soon(follow, ctl, local, OpChannel(store, 1, 2))
+    while OpChannel(store, 0, 2).silent_ranks():
+        await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_a_call_refused_on_rank_0_leaves_no_keys_in_the_ranks_store() -> None:
+    """Rank 0 refuses a generation while asleep; the other rank ran the op all the same: its
+    answer is collected and the op's keys deleted (a long-lived server refusing generations
+    must not grow the store), and the next op runs on both ranks."""
+    from lifecycle import ComponentAsleep
+
+    store, ctls, locals_, driver = await _in_process_ranks()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(follow, ctls[1], locals_[1], OpChannel(store, 1, 2))
-        while OpChannel(store, 0, 2).silent_ranks():
-            await anyio.sleep(0.01)
+        await _following(tg, store, ctls[1], locals_[1])
         await driver.sleep()
         keys = store.num_keys()
         for _ in range(3):
@@ -104,5 +120,25 @@ async def test_a_call_refused_on_rank_0_leaves_no_keys_in_the_ranks_store() -> N
         assert store.num_keys() == keys
         await driver.wake()
         assert (await driver.generate({"seed": 1}))["ranks_agree"] is True
+        await driver.stop()
+    assert [c.phase.value for c in ctls] == ["uninitialized", "uninitialized"]
+
+
+@pytest.mark.anyio
+async def test_a_rank_answers_an_unexpected_failure_of_an_op_and_keeps_following() -> None:
+    """An op that fails on rank 1 with an error no handler expects (a TypeError here) is
+    answered with that error, and rank 1 goes on following: it runs the next op."""
+    store, ctls, locals_, driver = await _in_process_ranks()
+
+    async def nothing() -> None:
+        return None
+
+    async with anyio.create_task_group() as tg:
+        await _following(tg, store, ctls[1], locals_[1])
+        _, answers = await driver._everywhere({"op": "checksum", "args": {"names": 5}},
+                                              nothing)
+        assert answers[1]["error"] == "TypeError", answers
+        state = await driver.state()
+        assert state["ranks"]["1"]["phase"] == "awake"
         await driver.stop()
     assert [c.phase.value for c in ctls] == ["uninitialized", "uninitialized"]
