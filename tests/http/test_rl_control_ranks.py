@@ -67,3 +67,65 @@ def test_the_control_routes_run_on_both_ranks() -> None:
         assert client.post("/continue_generation", json={}).status_code == 200
         r = client.post("/generate", json={"seed": 3})
         assert r.status_code == 200 and r.json()["ranks_agree"] is True, r.text
+
+
+def test_vllm_pause_is_sleeping_abort_by_id_and_a_multi_module_upload_on_both_ranks() -> None:
+    """vLLM's /pause?mode=keep and /resume, /is_sleeping per component, /abort_request by id
+    (rank 1 ends its part too) and a payload keyed by module for two modules, written on both
+    ranks as one update (their outputs agree after), on one server of two ranks."""
+    import torch
+
+    from lifecycle.demo import DemoPipeline
+    from tests.http.clients import parameters, serialize, sharing
+
+    with serving_ranks("--collective-timeout", "5", "--pipeline",
+                       "tests.http.slow_pipeline:factory") as (_, client):
+
+        def ranks(key: str) -> dict[str, object]:
+            return {r: s[key] for r, s in client.get("/state").json()["ranks"].items()}
+
+        r = client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        assert r.json() == {"status": "paused"}
+        assert client.get("/is_paused").json()["mode"] == "keep"
+        assert client.post("/resume").json() == {"status": "resumed"}
+
+        client.post("/release_memory_occupation", json={"tags": ["vae"]})
+        assert client.get("/is_sleeping").json() == {
+            "is_sleeping": False,
+            "components": {"text_encoder": False, "transformer": False, "vae": True}}
+        assert ranks("asleep") == {"0": ["vae"], "1": ["vae"]}
+        client.post("/resume_memory_occupation", json={"tags": ["vae"]})
+
+        with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=str(client.base_url),
+                                                          timeout=60) as other:
+            running = pool.submit(other.post, "/generate", json={"delay": 30, "rid": "a"})
+            deadline = time.monotonic() + 20
+            while client.get("/is_paused").json()["in_flight"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            assert client.post("/abort_request", json={"rid": "b"}).json()["aborted"] == 0
+            assert client.post("/abort_request", json={"rid": "a"}).json()["aborted"] == 1
+            done = running.result(timeout=30)
+            assert done.status_code == 503 and done.json()["rid"] == "a", done.text
+            assert time.monotonic() - t0 < 10
+
+        modules = DemoPipeline.build(2**20).modules
+        payload = {m: parameters(modules[m], 0.5) for m in ("transformer", "vae")}
+        versions = ranks("weights_version")
+        with sharing("file_system"):  # a server in other processes: no fd passing
+            body = {"serialized_named_tensors": [serialize(payload)],
+                    "target_modules": ["transformer", "vae"]}
+        r = client.post("/update_weights_from_tensor", json=body)
+        assert r.status_code == 200, r.text
+        assert ranks("weights_version") == {k: int(v) + 1 for k, v in versions.items()}
+        r = client.post("/generate", json={"seed": 5})
+        assert r.status_code == 200 and r.json()["ranks_agree"] is True, r.text
+        bad = {"transformer": parameters(modules["transformer"], 1.0),
+               "vae": [(n, torch.zeros(1)) for n, _ in modules["vae"].named_parameters()][:1]}
+        with sharing("file_system"):
+            body = {"serialized_named_tensors": [serialize(bad)],
+                    "target_modules": ["transformer", "vae"]}
+        r = client.post("/update_weights_from_tensor", json=body)
+        assert r.status_code == 400 and "Shape mismatch" in r.json()["message"], r.text
+        assert ranks("weights_version") == {k: int(v) + 1 for k, v in versions.items()}
