@@ -44,7 +44,7 @@ from rich.table import Table
 
 from lifecycle import LifecycleController, Phase, TransitionFailed, configure_logging
 from lifecycle._units import parse_size
-from lifecycle.cli.bench import set_malloc
+from lifecycle.cli._benchkit import set_malloc
 from lifecycle.demo import DemoPipeline
 from lifecycle.testing import InjectedFault, faulty_device_layer
 

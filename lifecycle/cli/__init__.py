@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 a drill expectation failed, 2 bad usage or a bad scenar
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import sys
@@ -107,31 +108,20 @@ def _drill(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+# ``residency bench WHICH``: the module (of this package) whose ``run(args)`` it is.
+BENCHMARKS = {"sleep-wake": "bench_sleep_wake", "update": "bench_update",
+              "residency": "bench_residency", "discard": "bench_discard", "host": "bench_host",
+              "partial": "bench_partial", "mirrors": "bench_mirrors",
+              "weight-sync": "bench_weight_sync", "chunks": "bench_chunks"}
+
+
 def _bench(args: argparse.Namespace) -> int:
-    from . import bench, bench_update
+    from . import bench_sleep_wake, bench_update
 
-    if args.which == "sleep-wake":
-        return bench.run(args)
-    if args.which == "update":
-        return bench_update.run(args)
-    if args.which == "residency":
-        from . import bench_residency
-
-        return bench_residency.run(args)
-    if args.which == "discard":
-        from . import bench_discard
-
-        return bench_discard.run(args)
-    if args.which == "host":
-        from . import bench_host
-
-        return bench_host.run(args)
-    if args.which == "partial":
-        from . import bench_partial
-
-        return bench_partial.run(args)
+    if args.which in BENCHMARKS:
+        return int(importlib.import_module(f".{BENCHMARKS[args.which]}", __name__).run(args))
     # all: sleep/wake, then updates, with the same options
-    first = bench.run(argparse.Namespace(**{**vars(args), "repeats": args.repeats or 5}))
+    first = bench_sleep_wake.run(argparse.Namespace(**{**vars(args), "repeats": args.repeats or 5}))
     print()
     return first or bench_update.run(argparse.Namespace(**{**vars(args),
                                                            "repeats": args.repeats or 3}))
@@ -198,15 +188,26 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
     """``residency bench <which>``: one subparser per benchmark over parent parsers of options
     they share. Each gets parents of its own: a parent's actions are shared by its children,
     so one child's ``set_defaults`` (update's ``repeats=3``) would change the others'."""
-    from . import bench, bench_discard, bench_host, bench_partial, bench_residency, bench_update
+    from . import (
+        _benchkit,
+        bench_chunks,
+        bench_discard,
+        bench_host,
+        bench_mirrors,
+        bench_partial,
+        bench_residency,
+        bench_sleep_wake,
+        bench_update,
+        bench_weight_sync,
+    )
 
-    def options(*, pipeline: bool = True) -> list[argparse.ArgumentParser]:
-        return [bench.base_options(), *([bench.pipeline_options()] if pipeline else [])]
+    def options(*, pipeline: bool = True, device: bool = True) -> list[argparse.ArgumentParser]:
+        return [_benchkit.base_options(device=device),
+                *([_benchkit.pipeline_options()] if pipeline else [])]
 
-    which = b.add_subparsers(dest="which",
-                             metavar="{sleep-wake,update,residency,discard,host,partial,all}")
+    which = b.add_subparsers(dest="which", metavar="{" + ",".join([*BENCHMARKS, "all"]) + "}")
     which.add_parser("sleep-wake", parents=options(), help="sleep/wake throughput",
-                     description=bench.__doc__)
+                     description=bench_sleep_wake.__doc__)
     update = which.add_parser("update", parents=options(), help="weight updates",
                               description=bench_update.__doc__)
     bench_update.add_arguments(update)
@@ -223,6 +224,17 @@ def _bench_parsers(b: argparse.ArgumentParser) -> None:
     host.set_defaults(repeats=3)
     which.add_parser("partial", parents=options(), help="release/resume of the transformer "
                      "alone against the whole pipeline", description=bench_partial.__doc__)
+    mirrors = which.add_parser("mirrors", parents=options(pipeline=False, device=False),
+                               help="host mirrors' page faults: shared against private "
+                               "huge-page mappings", description=bench_mirrors.__doc__)
+    bench_mirrors.add_arguments(mirrors)
+    sync = which.add_parser("weight-sync", parents=options(pipeline=False, device=False),
+                            help="process-group updates against a plain broadcast loop",
+                            description=bench_weight_sync.__doc__)
+    bench_weight_sync.add_arguments(sync)
+    chunks = which.add_parser("chunks", parents=options(), help="a store's chunked copies: "
+                              "one chunk in flight against two", description=bench_chunks.__doc__)
+    chunks.set_defaults(repeats=3)
     both = which.add_parser("all", parents=options(), help="sleep-wake, then update")
     bench_update.add_arguments(both)
     both.set_defaults(repeats=None)  # each benchmark's own default (see _bench)

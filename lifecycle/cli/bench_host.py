@@ -41,11 +41,11 @@ import anyio
 import torch
 
 from lifecycle import LifecycleController
-from lifecycle._checkpoint import write_checkpoint
 from lifecycle._units import format_bytes, parse_size
 from lifecycle.demo import DemoPipeline
+from lifecycle.demo._checkpoint import write_checkpoint
 
-from .bench import DTYPES, bench_setup
+from ._benchkit import DTYPES, bench_setup
 
 __all__ = ["run"]
 

@@ -27,7 +27,7 @@ from lifecycle import LifecycleController
 from lifecycle._units import format_bytes, parse_size
 from lifecycle.demo import DemoPipeline
 
-from .bench import DTYPES, bench_setup
+from ._benchkit import DTYPES, bench_setup
 
 __all__ = ["run"]
 

@@ -39,7 +39,7 @@ from torch import nn
 from lifecycle import LifecycleController, configure_logging
 from strategies import ResidencyConfig
 
-from .bench import set_malloc, sync, timed
+from ._benchkit import set_malloc, sync, timed
 
 __all__ = ["add_arguments", "run"]
 

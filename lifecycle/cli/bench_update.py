@@ -63,11 +63,11 @@ import safetensors.torch
 import torch
 
 from lifecycle import LifecycleController
-from lifecycle._checkpoint import unique_tensors, write_checkpoint
 from lifecycle._units import format_bytes, gbps, parse_size
 from lifecycle.demo import DemoPipeline
+from lifecycle.demo._checkpoint import unique_tensors, write_checkpoint
 
-from .bench import (
+from ._benchkit import (
     DTYPES,
     bench_flat,
     bench_setup,

@@ -24,9 +24,9 @@ import anyio
 import torch
 
 from lifecycle import HostBudgetExceeded, LifecycleController, LifecycleError, Phase
-from lifecycle._checkpoint import write_checkpoint
 from lifecycle._units import gbps, parse_size
 from lifecycle.demo import DemoPipeline
+from lifecycle.demo._checkpoint import write_checkpoint
 from lifecycle.testing import FaultInjection, faulty_device_layer
 from strategies import ResidencyConfig
 

@@ -21,8 +21,8 @@ from lifecycle import (
     PlacementReport,
     TransitionFailed,
 )
-from lifecycle._checkpoint import write_checkpoint
 from lifecycle.demo import DemoPipeline
+from lifecycle.demo._checkpoint import write_checkpoint
 from lifecycle.testing import FaultyDevice
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]

@@ -1,4 +1,4 @@
-"""Checkpoint helpers shared by the demo, the drills and the benchmarks: each tensor once
+"""Checkpoint helpers of the demo, shared with the drills and the benchmarks: each tensor once
 (tied weights under their first name), and the ``<root>/<component>/model.safetensors``
 layout that ``update_weights_from_disk`` reads."""
 

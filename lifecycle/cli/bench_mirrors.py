@@ -2,9 +2,10 @@
 transparent huge pages asked for (what it uses now), for the host side of a sleep: the first
 write into fresh pages (page faults) and a rewrite of faulted pages, in GB/s.
 
-    .venv/bin/python scripts/bench_mirrors.py [--size 1GiB] [--repeats 5] [--json]
+    residency bench mirrors [--size 256MiB] [--repeats 5] [--json]
 
-Registration with the driver (``cudaHostRegister``) is not timed here: it needs a GPU.
+Median over ``--repeats`` mappings of ``--size`` bytes each. Registration with the driver
+(``cudaHostRegister``) is not timed here: it needs a GPU.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from lifecycle._units import gbps, parse_size
+
+__all__ = ["add_arguments", "run"]
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``residency bench mirrors`` besides the common ones."""
+    parser.add_argument("--size", default="256MiB", help="bytes of each mapping")
 
 
 def mapping(nbytes: int, private: bool) -> mmap.mmap:
@@ -48,17 +56,15 @@ def once(nbytes: int, private: bool, source: torch.Tensor) -> tuple[float, float
     return gbps(nbytes, first), gbps(nbytes, again)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="1GiB")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """``residency bench mirrors``: see the module docstring."""
+    if args.repeats < 1:
+        print("residency bench mirrors: --repeats must be at least 1", file=sys.stderr)
+        return 2
     nbytes = parse_size(args.size)
     source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    out: dict[str, Any] = {"bytes": nbytes, "thp": Path(
-        "/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
-        if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists() else None}
+    out: dict[str, Any] = {"bytes": nbytes,
+                           "thp": THP.read_text().strip() if THP.exists() else None}
     for name, private in (("shared", False), ("private_hugepage", True)):
         runs = [once(nbytes, private, source) for _ in range(args.repeats)]
         out[name] = {"first_write_gbps": statistics.median(r[0] for r in runs),
@@ -72,7 +78,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:18} first write {r['first_write_gbps']:6.2f} GB/s   "
                   f"rewrite {r['rewrite_gbps']:6.2f} GB/s")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

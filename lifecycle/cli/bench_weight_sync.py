@@ -1,7 +1,8 @@
 """Weight sync over a process group (gloo on 127.0.0.1): ``update_weights_from_distributed``
 against a plain ``broadcast`` loop of the same tensors, and staging memory against the bucket.
 
-    python scripts/bench_weight_sync.py [--size 256MiB] [--tensors 64] [--rounds 5] [--json]
+    residency bench weight-sync [--size 256MiB] [--tensors 64] [--repeats 5]
+        [--buckets 16MiB,64MiB,256MiB] [--pause 0] [--json]
 
 A trainer process (fork-started) joins two groups as rank 0 the way RL trainers do (its store,
 a PrefixStore of the group's name, torch's group helper) and broadcasts the same tensors, one
@@ -13,7 +14,7 @@ a PrefixStore of the group's name, torch's group helper) and broadcasts the same
   tensors (slept and woken first, so its host mirrors are current, as in an RL loop), through
   ``update_weights_from_distributed``: validated, staged, written all-or-nothing.
 
-Each round times both on the receiving side (median over ``--rounds``); the ratio is
+Each round times both on the receiving side (median over ``--repeats``); the ratio is
 update / plain throughput (the target is >= 0.8). Then one update per bucket size reports the
 staging the library held at its peak (``peak_staging_bytes``) and the resident memory the
 process grew by during the update (sampled every millisecond), against the bucket.
@@ -30,10 +31,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import anyio
 import torch
@@ -43,8 +41,21 @@ from torch import nn
 from lifecycle import LifecycleController
 from lifecycle._units import gbps, parse_size
 
+__all__ = ["add_arguments", "run"]
+
 MiB = 2**20
 TIMEOUT = 60.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``residency bench weight-sync`` besides the common ones."""
+    parser.add_argument("--size", default="256MiB", help="bytes broadcast per update")
+    parser.add_argument("--tensors", type=int, default=64, help="weight tensors (+ a bias each)")
+    parser.add_argument("--buckets", default="16MiB,64MiB,256MiB",
+                        help="bucket sizes for the staging measurement")
+    parser.add_argument("--pause", type=float, default=0.0,
+                        help="seconds between updates (lets the background mirror refresh of "
+                             "the last update finish first)")
 
 
 def _store(port: int, world_size: int, master: bool) -> Any:
@@ -139,7 +150,7 @@ class _Component(nn.Module):
             self.add_module(name, layer)
 
 
-async def run(size: int, count: int, rounds: int, buckets: list[int], pause: float
+async def measure(size: int, count: int, rounds: int, buckets: list[int], pause: float
               ) -> dict[str, Any]:
     named = tensors_of(size, count)
     nbytes = sum(t.nbytes for t in named.values())
@@ -229,22 +240,15 @@ async def run(size: int, count: int, rounds: int, buckets: list[int], pause: flo
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="256MiB", help="bytes broadcast per update")
-    parser.add_argument("--tensors", type=int, default=64, help="weight tensors (+ a bias each)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--buckets", default="16MiB,64MiB,256MiB",
-                        help="bucket sizes for the staging measurement")
-    parser.add_argument("--pause", type=float, default=0.0,
-                        help="seconds between updates (lets the background mirror refresh of "
-                             "the last update finish first)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
+    """``residency bench weight-sync``: see the module docstring."""
+    if args.repeats < 1:
+        print("residency bench weight-sync: --repeats must be at least 1", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     buckets = [parse_size(b) for b in args.buckets.split(",")]
-    out = anyio.run(run, parse_size(args.size), args.tensors, args.rounds, buckets,
-                  args.pause)
+    out = anyio.run(measure, parse_size(args.size), args.tensors, args.repeats, buckets,
+                    args.pause)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -258,7 +262,3 @@ def main() -> int:
             print(f"  {row['bucket_bytes'] / MiB:6.0f} MiB   {row['peak_staging_bytes'] / MiB:8.1f} MiB"
                   f"   {row['rss_growth_bytes'] / MiB:8.1f} MiB   {row['gbps']:.2f}")
     return 0 if out["exact"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._units import parse_size  # (re-exported: drills, benchmarks and tests size the demo)
 from ._checkpoint import unique_tensors
-from ._units import parse_size  # (re-exported: drills, benchmarks and tests size the demo)
 
 __all__ = ["DemoConfig", "DemoPipeline", "DiTBlock", "parse_size"]
 
