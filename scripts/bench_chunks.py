@@ -28,7 +28,7 @@ from lifecycle._units import gbps, parse_size
 from lifecycle.cli.bench import set_malloc
 from lifecycle.demo import DemoPipeline
 from strategies._chunks import chunked
-from strategies._device import CopyPair, Tier
+from strategies.devices import CopyPair, Tier
 
 
 async def one_in_flight(self: store_module.TensorStore, pairs: Sequence[CopyPair], to: Tier,
