@@ -106,9 +106,9 @@ def pytest_configure(config: pytest.Config) -> None:
     kind = config.getoption("--device-layer")
     if kind != "cpu":
         # Before collection: tests.helpers derives SelectedFaultyDevice, the base of the
-        # tests' own layers, from the variable when the test modules import it. Every layer the library makes for a CPU device (controllers,
-        # strategies), and the programs the tests start (`residency serve`, drills, rank
-        # workers), use it too.
+        # tests' own layers, from the variable when the test modules import it. Every layer
+        # the library makes for a CPU device (controllers, strategies), and the programs the
+        # tests start (`residency serve`, drills, rank workers), use it too.
         os.environ[DEVICE_LAYER_ENV] = kind
 
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from lifecycle import ComponentAsleep, LifecycleController, Phase, TransitionFailed
+from lifecycle._blocking import SyncLifecycleController
 from lifecycle._checksum import tensor_sha256
 from lifecycle._planner import ResidencyPlan
 from lifecycle._results import Computed
-from lifecycle._sync import SyncLifecycleController
 from tests.helpers import faulty_device, fingerprints, run_pipeline, small_pipeline
 
 pytestmark = pytest.mark.moves
