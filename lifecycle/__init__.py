@@ -9,6 +9,7 @@ from strategies import (
     UnsupportedCompute,
 )
 
+from ._blocking import SyncLifecycleController
 from ._controller import LifecycleController
 from ._errors import (
     AdmissionTimeout,
@@ -47,7 +48,6 @@ from ._results import (
     WeightUpdateGroupResult,
     WeightUpdateGroupState,
 )
-from ._sync import SyncLifecycleController
 
 __all__ = [
     "AdmissionTimeout",

@@ -40,8 +40,8 @@ from ._results import RankChecksums, TensorHashCheck
 from ._updates import checksum as full_checksum
 
 if TYPE_CHECKING:
+    from ._collective import Collective
     from ._components import Components
-    from ._group import Collective
 
 __all__ = ["ALGORITHMS", "ChecksumAlgorithm", "Checksums", "check_expected", "check_hashes",
            "component_checksum", "reference_checksum", "tensor_sha256"]

@@ -60,7 +60,7 @@ from ._errors import (
 from ._events import get_logger
 from ._phase import Phase
 from ._results import ComponentPlacement, PlacementReport
-from ._uses import Component
+from ._uses import AttachedComponent
 
 __all__ = ["Components", "abandon", "adopt", "attach_mirrors", "build", "prepare_placement",
            "prepare_release", "refuse_managed"]
@@ -90,7 +90,7 @@ def refuse_managed(found: Mapping[str, nn.Module], controller_id: int, phase: Ph
                     f"{owner[1]} as component {owner[2]!r}: detach it there first")
 
 
-class Components(Mapping[str, Component]):
+class Components(Mapping[str, AttachedComponent]):
     """The attached components by name (none while detached), and the modules made
     layerwise-capable for them. ``phase``: the controller's now, and ``transition``: the move
     it is making (:meth:`moving`): what a forward may do depends on them; ``rank`` and
@@ -103,14 +103,14 @@ class Components(Mapping[str, Component]):
         self.transition: str | None = None
         self._rank = rank
         self._controller_id = controller_id
-        self._by_name: dict[str, Component] = {}
+        self._by_name: dict[str, AttachedComponent] = {}
         self._enabled: list[nn.Module] = []  # modules layerwise offload was enabled on by us
         self.budget_source = "none"  # how the host budgets were found (the report says it)
         # The components asleep (a partial sleep: see lifecycle._select); every one while the
         # phase is sleeping. Changed only at a sleep's or a wake's commit.
         self.asleep: frozenset[str] = frozenset()
 
-    def __getitem__(self, name: str) -> Component:
+    def __getitem__(self, name: str) -> AttachedComponent:
         return self._by_name[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -122,7 +122,7 @@ class Components(Mapping[str, Component]):
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
-    def component(self, name: str) -> Component:
+    def component(self, name: str) -> AttachedComponent:
         """Component ``name``, or :class:`UnknownComponent` naming the components there are."""
         try:
             return self._by_name[name]
@@ -277,7 +277,7 @@ class Components(Mapping[str, Component]):
                     raise TransitionRejected(trigger, self._phase(), str(exc)) from exc
 
     # -- attach / detach ---------------------------------------------------------------
-    def install(self, components: dict[str, Component], enabled: list[nn.Module]) -> None:
+    def install(self, components: dict[str, AttachedComponent], enabled: list[nn.Module]) -> None:
         """Take ``components`` (built and placed by attach) as the attached ones, their
         forwards checked."""
         self._by_name, self._enabled = components, enabled
@@ -285,7 +285,7 @@ class Components(Mapping[str, Component]):
         for c in components.values():
             self._guard(c)
 
-    def _guard(self, c: Component) -> None:
+    def _guard(self, c: AttachedComponent) -> None:
         """Register ``c``'s modules as this controller's and check its forwards."""
         for sub in c.module.modules():
             _managed[sub] = (weakref.ref(self), self._controller_id, c.name)
@@ -294,7 +294,7 @@ class Components(Mapping[str, Component]):
         c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
                                root_check=functools.partial(self._check_compute, c))
 
-    def _unguard(self, c: Component) -> None:
+    def _unguard(self, c: AttachedComponent) -> None:
         """Undo :meth:`_guard` (detach, remove_component)."""
         if c.guard:
             c.guard.remove()
@@ -303,7 +303,7 @@ class Components(Mapping[str, Component]):
             if owner is not None and owner[0]() is self:
                 del _managed[sub]
 
-    def _check_compute(self, c: Component) -> None:
+    def _check_compute(self, c: AttachedComponent) -> None:
         """The device layer's stream and graph-capture check, for a component whose weights
         move around its forwards: a resident one's stay put while awake (a transition
         synchronizes the device before moving them), so it may run on any stream, captured."""
@@ -353,7 +353,7 @@ class Components(Mapping[str, Component]):
 
         return changed, prepare
 
-    async def prepare_shape(self, c: Component, shape: Shape) -> PreparedMove:
+    async def prepare_shape(self, c: AttachedComponent, shape: Shape) -> PreparedMove:
         """Prepare ``c``'s move to ``shape``: a new store over the old one's storages, placed
         as the phase wants; the strategies are swapped at commit."""
         old = c.strategy.store
@@ -408,14 +408,14 @@ class Components(Mapping[str, Component]):
                                          f"{other.name!r}: a module is managed once")
         refuse_managed({name: module}, self._controller_id, phase, trigger)
 
-    def add(self, c: Component, enabled: list[nn.Module]) -> None:
+    def add(self, c: AttachedComponent, enabled: list[nn.Module]) -> None:
         """Take ``c`` (built and placed by ``add_component``) as one more attached component,
         its forwards checked. A new mapping: iterations in progress see the old one."""
         self._guard(c)
         self._by_name = {**self._by_name, c.name: c}
         self._enabled = [*self._enabled, *enabled]
 
-    def refuse_remove(self, name: str) -> Component:
+    def refuse_remove(self, name: str) -> AttachedComponent:
         """Component ``name``, or why it cannot be removed now: not attached, unknown, the
         only one, in use, its weights discarded."""
         trigger, phase = "remove_component", self._phase()
@@ -447,12 +447,12 @@ class Components(Mapping[str, Component]):
 
 
 def build(found: Mapping[str, nn.Module], config: ResidencyConfig, layer: DeviceLayer
-          ) -> tuple[dict[str, Component], list[nn.Module]]:
+          ) -> tuple[dict[str, AttachedComponent], list[nn.Module]]:
     """Strategies for every component, enabling layerwise offload where it is configured
     and possible; on any refusal nothing is left changed. Returns the components and
     the modules layerwise offload was enabled on."""
     enabled: list[nn.Module] = []
-    components: dict[str, Component] = {}
+    components: dict[str, AttachedComponent] = {}
     try:
         for name, module in found.items():
             if config.mode_for(name) is not ResidencyMode.LAYERWISE_OFFLOAD:
@@ -474,7 +474,7 @@ def build(found: Mapping[str, nn.Module], config: ResidencyConfig, layer: Device
                     enable_layerwise_offload(module)
                     enabled.append(module)
         for name, module in found.items():
-            components[name] = Component(name, module, build_strategy(name, module, config, layer),
+            components[name] = AttachedComponent(name, module, build_strategy(name, module, config, layer),
                                          fsdp=is_fsdp_managed(module))
     except BaseException:
         abandon(components.values(), enabled)
@@ -482,7 +482,7 @@ def build(found: Mapping[str, nn.Module], config: ResidencyConfig, layer: Device
     return components, enabled
 
 
-def abandon(components: Iterable[Component], enabled: list[nn.Module]) -> None:
+def abandon(components: Iterable[AttachedComponent], enabled: list[nn.Module]) -> None:
     """Undo a refused or failed attach: hooks removed, layerwise marks taken back."""
     for c in components:
         c.strategy.close()
@@ -490,7 +490,7 @@ def abandon(components: Iterable[Component], enabled: list[nn.Module]) -> None:
         disable_layerwise_offload(module)
 
 
-def attach_mirrors(components: Iterable[Component]) -> list[tuple[Component, list[Unit]]]:
+def attach_mirrors(components: Iterable[AttachedComponent]) -> list[tuple[AttachedComponent, list[Unit]]]:
     """The units attach gives a host mirror: those loaded on the host (adopted) and those
     its placement leaves on the host."""
     out = []
@@ -501,7 +501,7 @@ def attach_mirrors(components: Iterable[Component]) -> list[tuple[Component, lis
     return out
 
 
-async def adopt(components: Iterable[Component]) -> int:
+async def adopt(components: Iterable[AttachedComponent]) -> int:
     """Attach, before placing: the bytes of tensors loaded on the host copied into the
     stores' own mirrors (see ``TensorStore.adopt``)."""
     adopted = 0
@@ -510,7 +510,7 @@ async def adopt(components: Iterable[Component]) -> int:
     return adopted
 
 
-async def prepare_placement(components: Iterable[Component], moves: list[PreparedMove]) -> None:
+async def prepare_placement(components: Iterable[AttachedComponent], moves: list[PreparedMove]) -> None:
     """Every component's move to its awake placement (attach): its awake units to the
     device, the others to the host."""
     for c in components:
@@ -521,7 +521,7 @@ async def prepare_placement(components: Iterable[Component], moves: list[Prepare
             [u for u in store.select("device") if u not in wanted]))
 
 
-async def prepare_release(components: Iterable[Component], moves: list[PreparedMove]) -> None:
+async def prepare_release(components: Iterable[AttachedComponent], moves: list[PreparedMove]) -> None:
     """Every component's move to the host, its mirrors current (detach)."""
     for c in components:
         store = c.strategy.store

@@ -44,6 +44,7 @@ from . import _events as events
 from . import _results as results
 from ._admission import Admission
 from ._checksum import ChecksumAlgorithm, Checksums
+from ._collective import Collective, describe
 from ._components import (
     Components,
     abandon,
@@ -72,7 +73,6 @@ from ._errors import (
 )
 from ._events import get_logger
 from ._filebacking import after_update, verify_checkpoint
-from ._group import Collective, describe
 from ._handoff import Reshape, hand_off_peak
 from ._hostbudget import derive_budgets
 from ._hostbudget import local_world_size as local_world_size_of
@@ -145,7 +145,7 @@ class LifecycleController:
         # After each wake, drop the host mirrors of what is on the device again (hosts short
         # of memory): the next sleep copies those bytes from the device again.
         self.release_mirrors_after_wake = release_mirrors_after_wake
-        # With a process group every transition is collective (see lifecycle._group).
+        # With a process group every transition is collective (see lifecycle._collective).
         self._ranks = Collective(process_group, collective_timeout, lambda: self.phase)
         # In every event of this controller (with ``rank``): tells controllers of one process
         # apart, e.g. for lifecycle.metrics.

@@ -34,7 +34,7 @@ from ._errors import InvalidRequest, WeightsDiscarded
 from ._results import UpdateResult
 
 if TYPE_CHECKING:
-    from ._uses import Component
+    from ._uses import AttachedComponent
 
 Progress = Callable[[int], None]
 
@@ -68,7 +68,7 @@ def resolve_discard(discard: Discard, components: Collection[str], field: str = 
     return frozenset(names)
 
 
-async def prepare_sleep(c: Component, units: list[Unit], progress: Progress | None,
+async def prepare_sleep(c: AttachedComponent, units: list[Unit], progress: Progress | None,
                         discard: frozenset[str]) -> Move | DiscardMove | FileSleepMove:
     """The sleep of ``c``: discarding when named in ``discard`` or stale, file-backed when
     its weights are still its recorded checkpoint files' (strategies._filebacked), else the
@@ -82,7 +82,7 @@ async def prepare_sleep(c: Component, units: list[Unit], progress: Progress | No
                                                                           progress=progress)
 
 
-async def prepare_wake(c: Component, units: list[Unit], progress: Progress | None
+async def prepare_wake(c: AttachedComponent, units: list[Unit], progress: Progress | None
                        ) -> Move | UndiscardMove | FileWakeMove:
     """The wake of ``c``: every unit placed again after a discarding sleep (its tensors read
     back from its files after a file-backed one), else the usual one of ``units`` (its awake
@@ -95,19 +95,19 @@ async def prepare_wake(c: Component, units: list[Unit], progress: Progress | Non
     return await store.prepare_to_device(units, progress)
 
 
-def stale_counts(components: Iterable[Component]) -> dict[str, int]:
+def stale_counts(components: Iterable[AttachedComponent]) -> dict[str, int]:
     """``{name: stale tensors}`` of the stale ones among ``components`` (not one asleep
     file-backed: its tensors come back from its files at wake)."""
     return {c.name: c.strategy.store.stale_count for c in components
             if c.strategy.store.stale_count and not _backed(c)}
 
 
-def _backed(c: Component) -> bool:
+def _backed(c: AttachedComponent) -> bool:
     backing = c.strategy.store.file_backing
     return backing is not None and backing.asleep
 
 
-def still_stale(components: Iterable[Component]) -> str:
+def still_stale(components: Iterable[AttachedComponent]) -> str:
     """What an update's message adds while some of ``components`` are stale: each one's
     stale tensors, how many and a few names ("" when none is)."""
     few = {c.name: (c.strategy.store.stale_count, c.strategy.store.stale_names()[:3])
@@ -116,7 +116,7 @@ def still_stale(components: Iterable[Component]) -> str:
         f"{n} ({k} tensor(s): {', '.join(names)}...)" for n, (k, names) in few.items())
 
 
-def refuse_stale(components: Iterable[Component]) -> None:
+def refuse_stale(components: Iterable[AttachedComponent]) -> None:
     """Raise :class:`WeightsDiscarded` naming every stale one among ``components``."""
     stale = {c.name: c.strategy.store.stale_names() for c in components
              if c.strategy.store.stale_count}
@@ -124,7 +124,7 @@ def refuse_stale(components: Iterable[Component]) -> None:
         raise WeightsDiscarded(stale)
 
 
-def with_stale(result: UpdateResult, components: Collection[Component]) -> UpdateResult:
+def with_stale(result: UpdateResult, components: Collection[AttachedComponent]) -> UpdateResult:
     """An update's ``result`` naming the components still stale: ``stale`` (how many tensors
     each) and, for a success, their tensors in the message (:func:`still_stale`)."""
     stale = stale_counts(components)

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from strategies import DeviceLayer, ResidencyMode
 from strategies.protocol import Shape, Unit, regroup_host_plan
 
-from ._uses import Component
+from ._uses import AttachedComponent
 
 __all__ = ["plan_mirrors", "plan_reshape"]
 
@@ -35,14 +35,14 @@ _RANKS = {ResidencyMode.LAYERWISE_OFFLOAD: (0, "streamed layers get pins first")
 _RESIDENT = (2, "moved only at sleep and wake: pins last")
 
 
-def plan_mirrors(layer: DeviceLayer, wanted: Iterable[tuple[Component, Sequence[Unit]]],
+def plan_mirrors(layer: DeviceLayer, wanted: Iterable[tuple[AttachedComponent, Sequence[Unit]]],
                  what: str) -> int:
     """Check that the mirrors ``wanted`` (per component, the units that will need a host
     copy) fit the host budget, and mark which of those still lacking one are pinned.
     Returns the host bytes they will add. :class:`~strategies.HostBudgetExceeded` (nothing
     marked) when they do not fit."""
     ledger = layer.host
-    new: list[tuple[tuple[int, int], Component, Unit, str]] = []
+    new: list[tuple[tuple[int, int], AttachedComponent, Unit, str]] = []
     for c, units in wanted:
         rank, why = _RANKS.get(c.strategy.mode, _RESIDENT)
         for u in units:
@@ -50,7 +50,7 @@ def plan_mirrors(layer: DeviceLayer, wanted: Iterable[tuple[Component, Sequence[
                 new.append(((rank, -u.nbytes), c, u, why))
     new.sort(key=lambda item: item[0])
     pinned_extra = needed = 0
-    choice: list[tuple[Component, Unit, bool, str]] = []
+    choice: list[tuple[AttachedComponent, Unit, bool, str]] = []
     for _, c, u, why in new:
         pin = ledger.would_pin(u.nbytes, layer.pinned, pinned_extra)
         cost = ledger.cost(u.nbytes, pin)
@@ -70,7 +70,7 @@ def plan_mirrors(layer: DeviceLayer, wanted: Iterable[tuple[Component, Sequence[
     return needed
 
 
-def plan_reshape(layer: DeviceLayer, components: Mapping[str, Component],
+def plan_reshape(layer: DeviceLayer, components: Mapping[str, AttachedComponent],
                  wanted: Mapping[str, Shape], awake: bool) -> int:
     """Refuse a residency change (``wanted``: the new shapes) whose host buffers would pass
     the host budget, before it allocates: :class:`~strategies.HostBudgetExceeded` naming

@@ -42,7 +42,7 @@ import torch
 from strategies.protocol import PreparedMove, TensorStore
 
 from ._errors import InvalidRequest
-from ._updates import UpdatePlan, UpdateRefused, _Write, plan_from_tensors
+from ._updates import PlannedWrite, UpdatePlan, UpdateRefused, plan_from_tensors
 
 __all__ = ["PEFT_PREFIX", "WEIGHT_UPDATE_MODES", "LoraBases", "LoraMergeNotFinite", "LoraScale",
            "LoraTarget", "lora_layout", "merge_plan", "merged_weight", "parse_lora_name", "parse_mode",
@@ -243,7 +243,7 @@ def merge_plan(component: str, targets: Sequence[LoraTarget],
                get: Callable[[int], torch.Tensor]) -> UpdatePlan:
     """The writes of a merge: each target's weight, computed from its base when written
     (``get(i)``: the i-th entry's tensor, called then)."""
-    plan = UpdatePlan([_Write(component, t.weight, functools.partial(_merge, t, get), t.nbytes)
+    plan = UpdatePlan([PlannedWrite(component, t.weight, functools.partial(_merge, t, get), t.nbytes)
                        for t in targets], (component,))
     plan.merged = {(component, t.weight) for t in targets}
     plan.captured = {(component, t.weight): t.base for t in targets

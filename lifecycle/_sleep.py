@@ -30,7 +30,7 @@ from ._events import get_logger
 from ._phase import Phase
 from ._results import OccupationResult
 from ._units import gbps
-from ._uses import Component
+from ._uses import AttachedComponent
 
 if TYPE_CHECKING:
     from ._components import Components
@@ -47,7 +47,7 @@ class Direction:
 
     select: Callable[[ResidencyStrategy], list[Unit]]
     # (component, its selected units, progress, the components a sleep discards)
-    prepare: Callable[[Component, list[Unit], Callable[[int], None], frozenset[str]],
+    prepare: Callable[[AttachedComponent, list[Unit], Callable[[int], None], frozenset[str]],
                       Awaitable[Move | DiscardMove | UndiscardMove | FileSleepMove
                                 | FileWakeMove]]
     counts: Callable[[Unit], bool]  # bytes that will really be copied
@@ -73,7 +73,7 @@ class Run:
     copies land, and notes the components a sleep discarded (those in ``discard``, and
     stale ones). ``rank`` and ``controller_id``: named in events."""
 
-    def __init__(self, trigger: str, components: Iterable[Component], discard: frozenset[str],
+    def __init__(self, trigger: str, components: Iterable[AttachedComponent], discard: frozenset[str],
                  progress: Callable[[str, int, int], None] | None, rank: int,
                  controller_id: int) -> None:
         self.trigger = trigger
@@ -118,7 +118,7 @@ class Run:
                 self.discarded.append(c.name)
             self._event(c.name, move, time.perf_counter() - m0)
 
-    def mirrors(self) -> list[tuple[Component, list[Unit]]]:
+    def mirrors(self) -> list[tuple[AttachedComponent, list[Unit]]]:
         """The units whose bytes this run keeps in host mirrors (a sleep's, but for the
         components it discards or keeps in files; a wake's, the host stores of the units of
         a discarded or file-backed component that live on the host while awake)."""

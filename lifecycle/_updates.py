@@ -37,8 +37,8 @@ from ._errors import InvalidRequest, TransitionFailed
 from ._events import get_logger
 from ._results import UpdateResult
 
-__all__ = ["UpdatePlan", "UpdateRefused", "checksum", "plan_from_disk", "plan_from_tensors",
-           "version_label"]
+__all__ = ["PlannedWrite", "UpdatePlan", "UpdateRefused", "checksum", "plan_from_disk",
+           "plan_from_tensors", "version_label"]
 
 _log = get_logger("lifecycle.updates")
 
@@ -55,7 +55,12 @@ class UpdateRefused(ValueError):
 
 
 @dataclass(eq=False)
-class _Write:
+class PlannedWrite:
+    """One tensor an :class:`UpdatePlan` writes: its component and name, how to load the new
+    value (``load``), its size, and the file region it is read from (``region``: a write the
+    device layer reads straight from a file), if any. Planned by this module, by LoRA merges
+    (:mod:`lifecycle._lora`) and by process-group updates (:mod:`lifecycle._weight_sync`)."""
+
     component: str
     name: str
     load: Callable[[], torch.Tensor]
@@ -67,7 +72,7 @@ class _Write:
 class UpdatePlan:
     """Validated writes, grouped by nothing: applied in order, all or none."""
 
-    writes: list[_Write]
+    writes: list[PlannedWrite]
     components: tuple[str, ...]
     casts: list[str] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)  # open safetensors files
@@ -160,7 +165,7 @@ class _Planner:
         self._seen[id(model)] = (label, load)
         if dtype != model.dtype:
             self.plan.casts.append(f"{component}.{name}: {dtype} -> {model.dtype}")
-        self.plan.writes.append(_Write(component, name, load, model.nbytes, region))
+        self.plan.writes.append(PlannedWrite(component, name, load, model.nbytes, region))
 
     def finish(self, components: Sequence[str], of: str | None = None) -> UpdatePlan:
         if self.unknown:

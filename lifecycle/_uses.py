@@ -41,7 +41,7 @@ from ._phase import Phase
 if TYPE_CHECKING:
     from ._components import Components
 
-__all__ = ["Component", "Recording", "UseRecord", "Uses"]
+__all__ = ["AttachedComponent", "Recording", "UseRecord", "Uses"]
 
 _log = get_logger("lifecycle")
 
@@ -65,7 +65,7 @@ class _Prefetch:
 
 
 @dataclass(eq=False)
-class Component:
+class AttachedComponent:
     """An attached component: its module, strategy, guard and use bookkeeping."""
 
     name: str
@@ -110,7 +110,7 @@ class _Request:
     started: set[str] = field(default_factory=set)
 
 
-def _stalled(c: Component) -> float:
+def _stalled(c: AttachedComponent) -> float:
     """Seconds ``c``'s forwards have waited for layer copies (layerwise offload), so far."""
     return float(getattr(c.strategy, "stalled", 0.0))
 
@@ -202,7 +202,7 @@ class Uses:
             if self.admission.closed_by is None:
                 return
 
-    async def _acquire(self, c: Component) -> None:
+    async def _acquire(self, c: AttachedComponent) -> None:
         async with c.lock:
             if not c.users:
                 # Moved by hand since (``module.to(torch.float64)``): taken as it is if
@@ -233,7 +233,7 @@ class Uses:
                         await c.strategy.finish_use()
                     raise
 
-    async def _release(self, c: Component) -> None:
+    async def _release(self, c: AttachedComponent) -> None:
         async with c.lock:
             c.users -= 1
             if c.users:
@@ -249,7 +249,7 @@ class Uses:
                              error=f"{type(exc).__name__}: {exc}", rank=self.rank(),
                              controller=self.controller_id)
 
-    def _keep_for_next(self, c: Component) -> bool:
+    def _keep_for_next(self, c: AttachedComponent) -> bool:
         """Within a request whose next use is ``c`` again (``["text_encoder",
         "text_encoder", "transformer"]``), leave ``c`` placed for it: it is held like a
         prepared prefetch (a lease of its own; a drain or the request's end releases it), so
@@ -342,11 +342,11 @@ class Uses:
         req.started.add(nxt.name)
         req.tg.start_soon(self._run_prefetch, nxt, nxt.prefetch)
 
-    def _may_prefetch(self, c: Component, pf: _Prefetch) -> bool:
+    def _may_prefetch(self, c: AttachedComponent, pf: _Prefetch) -> bool:
         return c.users == 0 and c.prefetch is pf and not pf.cancelled \
             and self.phase() is Phase.AWAKE and self.admission.closed_by is None
 
-    async def _run_prefetch(self, c: Component, pf: _Prefetch) -> None:
+    async def _run_prefetch(self, c: AttachedComponent, pf: _Prefetch) -> None:
         try:
             with anyio.CancelScope() as pf.scope:
                 try:
@@ -370,7 +370,7 @@ class Uses:
                 with anyio.CancelScope(shield=True):
                     await self._drop_prefetch(c, pf)
 
-    async def _drop_prefetch(self, c: Component, pf: _Prefetch) -> None:
+    async def _drop_prefetch(self, c: AttachedComponent, pf: _Prefetch) -> None:
         """Undo a prefetch that will not be used and return its lease (once)."""
         if pf.dropped:
             return

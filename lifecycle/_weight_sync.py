@@ -118,7 +118,7 @@ from ._errors import InvalidRequest, WeightSyncError, WeightSyncGroupBroken, Wei
 from ._events import get_logger
 from ._lora import LoraBases, LoraScale, LoraTarget, lora_layout, merge_plan, parse_mode, parse_scale
 from ._results import UpdateResult, WeightUpdateGroupResult, WeightUpdateGroupState
-from ._updates import UpdatePlan, UpdateRefused, _Write
+from ._updates import PlannedWrite, UpdatePlan, UpdateRefused
 
 __all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT", "TensorSpec", "WeightSync",
            "WeightSyncLimits", "WeightSyncTransferFailed", "WeightUpdateGroup", "parse_address",
@@ -722,7 +722,7 @@ def plan_distributed(stores: Mapping[str, TensorStore], group: WeightUpdateGroup
         elif spec.dtype != live.dtype:
             faults.append(f"dtype mismatch for {spec.name}: model={live.dtype}, sent="
                           f"{spec.dtype} (send it in the model's dtype)")
-        plan.writes.append(_Write(target, spec.name,
+        plan.writes.append(PlannedWrite(target, spec.name,
                                   functools.partial(_not_received, spec.name), int(live.nbytes)))
     if unknown:
         shown = sorted(unknown)

@@ -58,9 +58,9 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import _events as events
+from ._blocking import SyncLifecycleController
 from ._controller import LifecycleController
 from ._phase import Phase
-from ._sync import SyncLifecycleController
 
 __all__ = ["ControllerMetrics"]
 

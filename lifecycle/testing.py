@@ -22,12 +22,11 @@ public testing entry.
   whole program's CPU layers on one of them, :func:`seed_layers` seeds their delays
   (:func:`layer_seed`: the next seed).
 
-  ``FaultyDevice`` follows it too: the name is the class :func:`faulty_cpu_layer_class`
-  returns when it is looked up (``from lifecycle.testing import FaultyDevice``): the CPU
-  layer with fault injection, or under ``RESIDENCY_DEVICE_LAYER=ordering`` / ``cuda-sim``
-  the ordering layer / the CUDA layer over a simulated GPU with fault injection, made with
-  the same arguments. A test suite sets the variable before it imports its tests, and every
-  ``FaultyDevice`` in them (subclasses included) checks ordering.
+  :class:`FaultyDevice` is always the CPU layer with fault injection; the fault-injecting
+  layer that variable selects is made by :func:`faulty_device_layer` (``"cpu"``: the CPU
+  layer, the ordering one or the CUDA one over a simulated GPU, made with the same
+  arguments), and :func:`faulty_cpu_layer_class` returns its class (for a test's own layer
+  derived from it). Both read the variable when called.
 
 * Events: :func:`capture_events` collects the library's events while a block runs.
 """
@@ -36,15 +35,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from strategies._testing import (
+from strategies.checking import (
     DEVICE_LAYER_ENV,
     LAYER_KINDS,
     POISON,
     CudaSimViolation,
     FaultInjection,
     FaultyCudaDevice,
+    FaultyDevice,
     InjectedFault,
     OrderingDevice,
     OrderingFaultyDevice,
@@ -61,20 +61,11 @@ from strategies._testing import (
 
 from ._events import add_event_sink
 
-if TYPE_CHECKING:
-    from strategies._testing import FaultyDevice
-
 __all__ = ["DEVICE_LAYER_ENV", "LAYER_KINDS", "POISON", "CudaSimViolation", "FaultInjection",
            "FaultyCudaDevice", "FaultyDevice", "InjectedFault", "OrderingDevice",
            "OrderingFaultyDevice", "OrderingViolation", "SimCuda", "capture_events",
            "check_cuda_sim", "check_ordering", "faulty_cpu_layer_class", "faulty_device_layer",
            "layer_seed", "seed_layers", "sim_cuda_layer"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "FaultyDevice":  # looked up each time: see the module doc
-        return faulty_cpu_layer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextmanager

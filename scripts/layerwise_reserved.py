@@ -34,8 +34,7 @@ from lifecycle._units import parse_size
 from lifecycle.demo import DemoPipeline
 from lifecycle.testing import SimCuda
 from strategies import CudaDevice, LayerwiseOffloadStrategy
-from strategies._cudart import Stream
-from strategies._device import CopyPair, Tier
+from strategies.devices import CopyPair, Stream, Tier
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Every wait is load-bearing: a mutation check of the CUDA layer on the simulated GPU.
 
-Each mutant takes one wait, record or synchronization out of ``strategies/_cuda.py`` (or
+Each mutant takes one wait, record or synchronization out of ``strategies/devices/_cuda.py`` (or
 moves device allocation off the compute stream), and runs the CUDA layer's own suites on the
 simulated GPU (``--device-layer=cuda-sim``) against it, stopping at the first failure. A mutant
 no test fails ("survived") means that line's ordering is not checked by anything: the
@@ -13,7 +13,7 @@ mutant whose anchor no longer matches the source (the list below must follow the
 
 The unmutated code runs first on the same tests (they must pass, or every mutant would be
 "killed" for nothing). A mutant's source is put in place by an import hook in the test
-process (``strategies._cuda`` loaded from the mutated text): the worktree is never changed.
+process (``strategies.devices._cuda`` loaded from the mutated text): the worktree is never changed.
 It prints, per mutant, the test that killed it.
 """
 
@@ -37,8 +37,8 @@ from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET = ROOT / "strategies" / "_cuda.py"
-MODULE = "strategies._cuda"
+TARGET = ROOT / "strategies" / "devices" / "_cuda.py"
+MODULE = "strategies.devices._cuda"
 
 #: The tests each mutant runs (stopping at the first failure): the CUDA layer's own suites
 #: (about 10 s on one core), not the whole cuda-sim pass, so that every mutant is killed by a
@@ -54,7 +54,7 @@ class Mutant:
     what: str
     old: str  # must occur exactly once in the file
     new: str
-    path: str = "strategies/_cuda.py"
+    path: str = "strategies/devices/_cuda.py"
 
     @property
     def module(self) -> str:

@@ -16,13 +16,10 @@ from ._config import (
     ResidencyMode,
     group_of,
 )
-from ._cuda import CudaDevice
-from ._device import CopyHandle, CpuDevice, DeviceLayer, UnsupportedCompute, resolve_device
 from ._errors import ResidencyError, StoreError
 from ._factory import ComponentResidencyError, is_fsdp_managed
 from ._filebacked import CheckpointChanged
 from ._hostmem import HostBudgetExceeded
-from ._layers import make_device_layer
 from ._layerwise import (
     LayerwiseOffloadStrategy,
     detect_block_lists,
@@ -30,6 +27,15 @@ from ._layerwise import (
     enable_layerwise_offload,
     is_layerwise_offloaded,
     layerwise_blocks,
+)
+from .devices import (
+    CopyHandle,
+    CpuDevice,
+    CudaDevice,
+    DeviceLayer,
+    UnsupportedCompute,
+    make_device_layer,
+    resolve_device,
 )
 
 __all__ = [

@@ -29,11 +29,11 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._device import CopyPair, Tier
 from ._errors import undo_on_failure
 from ._inventory import Storage, Unit, aligned
 from ._store import Move, Progress, TensorStore
 from ._write import cancel_refresh
+from .devices import CopyPair, Tier
 
 __all__ = ["DiscardMove", "Discarded", "UndiscardMove", "prepare_discard", "prepare_undiscard"]
 

@@ -8,10 +8,8 @@ from torch import nn
 
 from ._base import ResidencyStrategy
 from ._config import LayerwiseTuning, ResidencyConfig, ResidencyMode
-from ._device import DeviceLayer
 from ._errors import ResidencyError
 from ._inventory import Unit
-from ._layers import make_device_layer
 from ._layerwise import (
     LayerwiseOffloadStrategy,
     check_block_lists,
@@ -25,6 +23,7 @@ from ._layerwise import _nbytes as layer_nbytes
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
 from ._resident import ResidentStrategy
 from ._store import TensorStore
+from .devices import DeviceLayer, make_device_layer
 
 __all__ = ["ComponentResidencyError", "Shape", "build_strategy", "is_fsdp_managed"]
 

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._device import Tier
 from ._discard import DiscardMove, UndiscardMove, prepare_discard, prepare_undiscard
 from ._errors import ResidencyError, undo_on_failure
 from ._fileread import FileRegion
 from ._inventory import Slot, Unit
 from ._store import Progress, TensorStore
+from .devices import Tier
 
 __all__ = ["CheckpointChanged", "FileBacking", "FileSleepMove", "FileStamp", "FileWakeMove",
            "covered", "forget_files", "prepare_file_sleep", "prepare_file_wake", "record_files"]

@@ -9,7 +9,7 @@ as the device bytes are counted). It holds two optional budgets, in bytes:
   the numbers; the move that asked rolls back like after any failed allocation.
 * ``pin_budget``: the page-locked part. A buffer that wants pinning and would pass it is
   allocated pageable instead (never refused for that): on CUDA its copies are staged through
-  the layer's two pinned buffers (:class:`~strategies._cuda.CudaDevice`).
+  the layer's two pinned buffers (:class:`~strategies.devices._cuda.CudaDevice`).
 
 Bytes count as they really occupy memory: a pinned buffer's footprint (rounded up to pages,
 ``DeviceLayer.pinned_footprint``), a pageable one's size.

@@ -29,8 +29,8 @@ from torch import nn
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from ._device import Tier
 from ._errors import StoreError
+from .devices import Tier
 
 __all__ = ["ALIGN", "Derived", "Inventory", "Slot", "Storage", "Unit", "aligned",
            "take_inventory"]

@@ -15,9 +15,9 @@ from torch import nn
 
 from ._base import ResidencyStrategy
 from ._config import ResidencyMode
-from ._device import CopyPair
 from ._inventory import Unit
 from ._store import Move
+from .devices import CopyPair
 
 __all__ = ["ComponentOffloadStrategy", "SnapshotOffloadStrategy"]
 

@@ -27,10 +27,10 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._device import CopyPair, Tier
 from ._errors import undo_on_failure
 from ._inventory import Storage, Unit
 from ._store import Progress, TensorStore
+from .devices import CopyPair, Tier
 
 __all__ = ["RegroupMove", "RestoreMove", "needs_restore", "prepare_regroup", "prepare_restore",
            "regroup_device_bytes", "regroup_host_plan"]

@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from ._chunks import chunked
-from ._device import CopyHandle, CopyPair, DeviceLayer, Tier
 from ._errors import StoreError, undo_on_failure
 from ._inventory import Derived, Inventory, Slot, Storage, Unit, take_inventory
 from ._write import WriteMove, WriteSource, cancel_refresh, land_refresh, prepare_write
+from .devices import CopyHandle, CopyPair, DeviceLayer, Tier
 
 if TYPE_CHECKING:
     from ._discard import Discarded
@@ -518,7 +518,7 @@ class TensorStore:
         """Allocate ``unit``'s device buffer and start copying its mirror in.
 
         The buffer is allocated on the compute stream and the copy runs on the copy stream,
-        after the compute work queued so far (see :class:`~strategies._cuda.CudaDevice`).
+        after the compute work queued so far (see :class:`~strategies.devices._cuda.CudaDevice`).
         A Fetch is either completed (``Fetch.complete``: the compute stream waits for the
         copy's event before the tensors point at the buffer) or dropped (``Fetch.drop``: the
         buffer is recorded on the copy stream, so its block is not reused before the copy

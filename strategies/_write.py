@@ -54,10 +54,10 @@ import anyio.to_thread
 import torch
 
 from ._chunks import chunked
-from ._device import CopyPair, DeviceLayer, Tier
 from ._errors import forget_locals, undo_on_failure
 from ._fileread import FileRegion
 from ._inventory import Slot, Unit
+from .devices import CopyPair, DeviceLayer, Tier
 
 if TYPE_CHECKING:
     from ._store import TensorStore

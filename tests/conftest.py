@@ -1,9 +1,10 @@
 """Every async test runs on asyncio (debug mode: flags torch work blocking the loop) and trio.
 
 ``--device-layer`` picks the layer every controller and store that makes its own CPU layer
-gets, and what ``lifecycle.testing.FaultyDevice`` (with the test layers derived from it) is:
-it sets ``RESIDENCY_DEVICE_LAYER`` before the tests are imported, which selects both (see
-``lifecycle.testing``), and the programs tests start get it too:
+gets, and the fault-injecting layer ``tests.helpers.faulty_device`` makes (with the test
+layers derived from ``tests.helpers.SelectedFaultyDevice``): it sets ``RESIDENCY_DEVICE_LAYER``
+before the tests are imported, which selects both (see ``lifecycle.testing``), and the
+programs tests start get it too:
 
 * ``ordering``: the ordering layer (``lifecycle.testing.OrderingDevice``, and
   ``OrderingFaultyDevice``): copies land late, only when waited for, poison (NaN) until then,
@@ -104,10 +105,10 @@ def cuda_layer(request: pytest.FixtureRequest) -> Iterator[Callable[..., CudaDev
 def pytest_configure(config: pytest.Config) -> None:
     kind = config.getoption("--device-layer")
     if kind != "cpu":
-        # Before collection: test modules import FaultyDevice by name, and the variable
-        # decides what it is. Every layer the library makes for a CPU device (controllers,
-        # strategies), and the programs the tests start (`residency serve`, drills, rank
-        # workers), use it too.
+        # Before collection: tests.helpers derives SelectedFaultyDevice, the base of the
+        # tests' own layers, from the variable when the test modules import it. Every layer
+        # the library makes for a CPU device (controllers, strategies), and the programs the
+        # tests start (`residency serve`, drills, rank workers), use it too.
         os.environ[DEVICE_LAYER_ENV] = kind
 
 

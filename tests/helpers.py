@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import hashlib
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
+from lifecycle.testing import FaultInjection, FaultyDevice, faulty_cpu_layer_class, faulty_device_layer
+
 M = TypeVar("M", bound=nn.Module)
+
+
+def faulty_device(**faults: Any) -> FaultInjection:
+    """A fault-injecting layer for the CPU device, on the layer the pass runs on
+    (``--device-layer``: the CPU layer, the ordering one, or the CUDA one over a simulated
+    GPU), made with ``faults`` (``fail_copy_at=k``, ``copy_delay=s``, ...)."""
+    return faulty_device_layer("cpu", **faults)
+
+
+if TYPE_CHECKING:
+    SelectedFaultyDevice = FaultyDevice
+else:
+    #: The class of :func:`faulty_device`'s layers, the base of the tests' own layers: read
+    #: when the tests are imported (``--device-layer`` has set the variable by then).
+    SelectedFaultyDevice = faulty_cpu_layer_class()
 
 
 class TiedLM(nn.Module):

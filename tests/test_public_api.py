@@ -105,15 +105,42 @@ def test_error_tree_matches_its_documentation() -> None:
     assert lifecycle.ResidencyError is strategies.ResidencyError
 
 
+ROOT = Path(strategies.__file__).parent.parent
+
+
+def _resolved_imports(path: Path) -> list[tuple[int, str, bool]]:
+    """``(line, module, inside a function)`` of every import in ``path``, wherever it is,
+    relative imports made absolute (``from ..checking import X`` in ``strategies/devices/``:
+    ``strategies.checking``; ``from . import _events``: ``lifecycle._events``)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = module.removesuffix(".__init__") if path.name == "__init__.py" \
+        else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    in_function = {id(inner) for node in ast.walk(tree)
+                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for inner in ast.walk(node) if inner is not node}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, id(node) in in_function) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = ".".join(parts[:len(parts) - node.level + 1])
+                base = f"{anchor}.{base}" if base else anchor
+            names = [f"{base}.{a.name}" for a in node.names] if node.module is None else [base]
+            found += [(node.lineno, name, id(node) in in_function) for name in names]
+    return found
+
+
 def _imports(path: Path) -> list[tuple[int, str]]:
     """``(line, module)`` of every import in ``path``, wherever it is (inside functions too)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module))
-    return found
+    return [(n, m) for n, m, _ in _resolved_imports(path)]
+
+
+def _within(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
 
 
 def test_strategies_never_imports_lifecycle() -> None:
@@ -125,14 +152,64 @@ def test_strategies_never_imports_lifecycle() -> None:
 
 def test_lifecycle_imports_only_what_strategies_exports() -> None:
     """lifecycle imports ``strategies`` and ``strategies.protocol``, never a private module
-    (but lifecycle.testing, the one public testing entry, re-exports the testing layers of the
-    private strategies._testing: the only private module lifecycle may import), and
-    ``residency bench chunks``, an A/B of the store's own copy loop, swaps that loop."""
+    or a sub-package (but lifecycle.testing, the one public testing entry, re-exports the
+    checking layers of ``strategies.checking``, and ``residency bench chunks``, an A/B of
+    the store's own copy loop, swaps that loop)."""
     root = Path(lifecycle.__file__).parent
-    exceptions = {root / "testing.py": {"strategies._testing"},
+    exceptions = {root / "testing.py": {"strategies.checking"},
                   root / "cli" / "bench_chunks.py": {"strategies._store", "strategies._chunks"}}
     for path in root.rglob("*.py"):
         allowed = {"strategies", "strategies.protocol", *exceptions.get(path, ())}
         bad = [(n, m) for n, m in _imports(path)
                if m.split(".")[0] == "strategies" and m not in allowed]
+        assert not bad, f"{path}: {bad}"
+
+
+#: The modules of strategies the device layers stand on (nothing of the store or the
+#: strategies above them).
+_DEVICE_LEAVES = ("strategies._errors", "strategies._fileread", "strategies._hostmem")
+
+
+def test_the_device_layers_import_no_strategy_and_no_checking_layer() -> None:
+    """strategies.devices imports itself and the leaf modules it stands on, never the store,
+    a strategy or a checking layer: but make_device_layer, inside the function, when
+    RESIDENCY_DEVICE_LAYER names a checking layer."""
+    root = Path(strategies.__file__).parent / "devices"
+    for path in root.rglob("*.py"):
+        bad = [(n, m) for n, m, lazy in _resolved_imports(path)
+               if m.split(".")[0] == "strategies"
+               and not _within(m, "strategies.devices", *_DEVICE_LEAVES)
+               and not (path.name == "_layers.py" and lazy and _within(m, "strategies.checking"))]
+        assert not bad, f"{path}: {bad}"
+
+
+def test_the_checking_layers_stand_on_the_device_layers_only() -> None:
+    """strategies.checking (the test doubles) imports itself, strategies.devices and the leaf
+    modules; and nothing of strategies outside it imports it (but make_device_layer, above)."""
+    root = Path(strategies.__file__).parent
+    for path in (root / "checking").rglob("*.py"):
+        bad = [(n, m) for n, m, _ in _resolved_imports(path)
+               if m.split(".")[0] == "strategies"
+               and not _within(m, "strategies.checking", "strategies.devices", *_DEVICE_LEAVES)]
+        assert not bad, f"{path}: {bad}"
+    for path in root.rglob("*.py"):
+        if path.is_relative_to(root / "checking") or path == root / "devices" / "_layers.py":
+            continue
+        bad = [(n, m) for n, m in _imports(path) if _within(m, "strategies.checking")]
+        assert not bad, f"{path}: {bad}"
+
+
+def test_the_lifecycle_core_imports_neither_the_service_nor_the_command() -> None:
+    """The core (lifecycle's own modules) never imports lifecycle.http or lifecycle.cli
+    (``python -m lifecycle``, lifecycle/__main__.py, is the command's entry), and the service
+    never imports the command."""
+    root = Path(lifecycle.__file__).parent
+    for path in root.glob("*.py"):
+        if path.name == "__main__.py":
+            continue
+        bad = [(n, m) for n, m in _imports(path)
+               if _within(m, "lifecycle.http", "lifecycle.cli")]
+        assert not bad, f"{path}: {bad}"
+    for path in (root / "http").rglob("*.py"):
+        bad = [(n, m) for n, m in _imports(path) if _within(m, "lifecycle.cli")]
         assert not bad, f"{path}: {bad}"

@@ -5,7 +5,7 @@ Rank 0 posts each call as a numbered *op* in the group's key-value store (the TC
 ``init_process_group`` uses, under its own prefix; JSON, no pickles). Every other rank reads
 the ops in order, runs each on its own controller, and posts its answer; once every rank
 answered, rank 0 deletes the op's keys. Control calls are collective in the controllers
-themselves (every rank commits or none does, see ``lifecycle._group``), so rank 0's result is
+themselves (every rank commits or none does, see ``lifecycle._collective``), so rank 0's result is
 the combined one; generations run on every rank and rank 0 checks that their outputs agree.
 Ranks post a heartbeat every second: ``/health`` names a rank whose heartbeat stopped. The
 store is polled, not a collective, so idle ranks never hit a collective timeout.
@@ -659,7 +659,7 @@ class RankDriver(Driver):
         return await self.local.staged(serial)
 
     async def commit_staged(self, serial: int, weight_version: str | None) -> UpdateResult:
-        # The controllers' update is collective: every rank writes, or none (lifecycle._group).
+        # The controllers' update is collective: every rank writes, or none (lifecycle._collective).
         result, _ = await self._everywhere(
             {"op": "commit_staged", "args": {"serial": serial, "weight_version": weight_version}},
             lambda: self.local.commit_staged(serial, weight_version))

@@ -29,8 +29,8 @@ from lifecycle.http import Generate, create_app
 ROOT = Path(__file__).resolve().parents[2]
 
 #: What the checking device layers (``RESIDENCY_DEVICE_LAYER=ordering`` / ``cuda-sim``) print on
-#: stderr as a program exits with violations nobody reported (strategies._ordering,
-#: strategies._cudasim): a served rank's violation fails the test that started it.
+#: stderr as a program exits with violations nobody reported (strategies.checking._ordering,
+#: strategies.checking._cudasim): a served rank's violation fails the test that started it.
 VIOLATION_MARKERS = ("residency: cuda-sim violations:", "residency: ordering violations:")
 # Seconds a server has to stop after SIGTERM (drain, detach on every rank) before SIGKILL.
 STOP_TIMEOUT = 60.0

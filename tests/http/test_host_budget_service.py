@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lifecycle import LifecycleController
 from lifecycle.demo import DemoPipeline
 from lifecycle.http import demo_generate
-from lifecycle.testing import FaultyDevice
+from tests.helpers import faulty_device
 from tests.http.server import running_server, serving_ranks
 
 pytestmark = pytest.mark.service
@@ -26,7 +26,7 @@ def test_a_release_past_the_host_budget_is_507_and_state_and_metrics_show_the_bu
     others with 507 and the numbers, the pipeline stays awake; /state and /metrics give the
     budget, the bytes by kind and what is left."""
     pipe = DemoPipeline.build(2**20)
-    ctl = LifecycleController(device_layer=FaultyDevice(), residency="vae=component-offload")
+    ctl = LifecycleController(device_layer=faulty_device(), residency="vae=component-offload")
     with running_server(pipe, demo_generate(pipe), ctl) as served:
         held = ctl.report().host_held_bytes
         ctl.set_host_budget(held)

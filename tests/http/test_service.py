@@ -355,10 +355,10 @@ def test_fsdp_sleep_is_a_400_with_the_reference_message() -> None:
 def test_a_release_that_fails_midway_is_a_500_saying_it_was_rolled_back() -> None:
     """A copy failing during a release is rolled back: 500 whose body says so, the pipeline
     still awake and serving; the retry succeeds."""
-    from lifecycle.testing import FaultyDevice
+    from tests.helpers import faulty_device
 
     pipe = DemoPipeline.build(2**20)
-    layer = FaultyDevice()
+    layer = faulty_device()
     with running_server(pipe, demo_generate(pipe), LifecycleController(device_layer=layer)) as s:
         layer.arm(copy_at=1)
         r = post(s, "/release_memory_occupation")

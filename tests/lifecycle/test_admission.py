@@ -16,8 +16,7 @@ from lifecycle import (
     Phase,
     TransitionRejected,
 )
-from lifecycle.testing import FaultyDevice
-from tests.helpers import fingerprints, small_pipeline
+from tests.helpers import faulty_device, fingerprints, small_pipeline
 
 pytestmark = pytest.mark.anyio
 
@@ -97,7 +96,7 @@ async def test_drain_timeout_reopens_admission_and_moves_nothing() -> None:
 
 async def test_use_during_a_transition_waits_then_proceeds_when_awake() -> None:
     """A use requested while a wake is moving waits for it and then runs on the weights."""
-    layer = FaultyDevice(copy_delay=0.002)
+    layer = faulty_device(copy_delay=0.002)
     ctl = LifecycleController(device_layer=layer, auto_wake=False)
     pipe = small_pipeline()
     await ctl.attach(pipe)
@@ -118,7 +117,7 @@ async def test_use_during_a_transition_waits_then_proceeds_when_awake() -> None:
 
 async def test_use_that_waits_too_long_raises_admission_timeout() -> None:
     """admission_timeout bounds the wait behind a transition."""
-    layer = FaultyDevice(copy_delay=0.01)
+    layer = faulty_device(copy_delay=0.01)
     ctl = LifecycleController(device_layer=layer, admission_timeout=0.02)
     await ctl.attach(small_pipeline())
     await ctl.sleep()
@@ -147,7 +146,7 @@ async def test_use_while_sleeping_is_refused_at_once() -> None:
 
 async def test_auto_wake_wakes_once_for_many_waiting_callers() -> None:
     """With auto_wake, ten uses arriving while asleep cause exactly one wake that moves."""
-    layer = FaultyDevice(copy_delay=0.001)
+    layer = faulty_device(copy_delay=0.001)
     ctl = LifecycleController(device_layer=layer, auto_wake=True)
     pipe = small_pipeline()
     sums = fingerprints(pipe)

@@ -15,16 +15,16 @@ from torch import nn
 import strategies._write as write
 from lifecycle import LifecycleController, Phase
 from lifecycle._events import UPDATE_MIRROR_STALE
-from lifecycle.testing import FaultyDevice, capture_events
+from lifecycle.testing import FaultInjection, capture_events
 from strategies import CopyHandle
-from strategies._device import CopyPair, Tier
+from strategies.devices import CopyPair, Tier
 from strategies.protocol import TensorStore
-from tests.helpers import fingerprints, small_pipeline
+from tests.helpers import SelectedFaultyDevice, fingerprints, small_pipeline
 
 pytestmark = pytest.mark.anyio
 
 
-class GatedDevice(FaultyDevice):
+class GatedDevice(SelectedFaultyDevice):
     """The fault-injecting CPU layer whose background refresh copies wait for ``gate``
     before they start: a test holds a refresh in flight as long as it needs."""
 
@@ -60,7 +60,7 @@ def expected_after(updates: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, s
     return fingerprints(ref)
 
 
-async def attached(layer: FaultyDevice) -> tuple[LifecycleController, dict[str, nn.Module]]:
+async def attached(layer: FaultInjection) -> tuple[LifecycleController, dict[str, nn.Module]]:
     """A resident pipeline on ``layer`` whose host mirrors are current (slept and woken)."""
     pipe = small_pipeline()
     ctl = LifecycleController(device_layer=layer)

@@ -16,9 +16,8 @@ import torch
 
 import strategies._write as write
 from lifecycle import LifecycleController, Phase
-from lifecycle.testing import FaultyDevice
 from strategies import ResidencyMode
-from tests.helpers import fingerprints, small_pipeline
+from tests.helpers import faulty_device, fingerprints, small_pipeline
 from tests.lifecycle.test_background_refresh import (
     GatedDevice,
     expected_after,
@@ -75,7 +74,7 @@ async def test_cancellation_at_every_await_point_leaves_a_consistent_state(trigg
     # complete on any machine.
     for n in [*range(200), *(int(200 * 1.5**k) for k in range(1, 25))]:
         pipe = small_pipeline()
-        async with LifecycleController(device_layer=FaultyDevice(), residency=RESIDENCY) as ctl:
+        async with LifecycleController(device_layer=faulty_device(), residency=RESIDENCY) as ctl:
             await ctl.attach(pipe)
             if trigger == "wake":
                 await ctl.sleep()
@@ -113,7 +112,7 @@ async def test_cancellation_at_any_moment_leaves_a_true_phase(target: str) -> No
     """Cancelled after t ms, a transition has either committed or rolled back: the phase
     matches the placement, the bytes are intact, and a retry succeeds."""
     for delay_ms in (0, 1, 3, 7, 15, 40):
-        layer = FaultyDevice(copy_delay=0.001)
+        layer = faulty_device(copy_delay=0.001)
         ctl, pipe = await start([sleep_, wake_] if target == "sleep" else [sleep_], layer)
         sums = fingerprints(pipe)
         with anyio.move_on_after(delay_ms / 1000):
@@ -134,7 +133,7 @@ async def test_cancellation_at_any_moment_leaves_a_true_phase(target: str) -> No
 async def test_cancelled_update_rolls_back_and_leaves_phase_awake() -> None:
     """An update cancelled at any moment leaves the old weights and phase AWAKE."""
     for delay_ms in (0, 1, 2, 5, 10, 30):
-        layer = FaultyDevice(copy_delay=0.0005)
+        layer = faulty_device(copy_delay=0.0005)
         ctl, pipe = await attached("resident", layer)
         async with ctl:
             sums = ctl.weights_checksum()
@@ -155,7 +154,7 @@ async def test_a_cancelled_change_leaves_the_old_layout() -> None:
     completes or leaves the old layout exactly, and outputs stay identical."""
     outcomes = set()
     for deadline in (0.0, 0.003, 0.01, 0.03, 3.0):  # (the last: enough for 64 slow copies)
-        layer = FaultyDevice(copy_delay=0.004)
+        layer = faulty_device(copy_delay=0.004)
         ctl, pipe, expected = await _attached("resident", layer)
         async with ctl:
             before = _layout(ctl)
@@ -176,7 +175,7 @@ async def test_a_cancelled_discarding_sleep_either_committed_or_changed_nothing(
     committed (sleeping, stale at wake) or left everything as it was."""
     outcomes = set()
     for deadline in (0.0, 0.002, 0.01, 3.0):
-        ctl, _, _, _ = await served("resident", FaultyDevice(copy_delay=0.002))
+        ctl, _, _, _ = await served("resident", faulty_device(copy_delay=0.002))
         async with ctl:
             before = (ctl.report(), dict(ctl.stale))
             with anyio.move_on_after(deadline) as scope:

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from lifecycle import InvalidRequest, LifecycleController, SyncLifecycleController, UnknownComponent
-from lifecycle.testing import FaultyDevice
-from tests.helpers import layer, small_pipeline
+from tests.helpers import faulty_device, layer, small_pipeline
 
 pytestmark = pytest.mark.anyio
 
@@ -41,7 +40,7 @@ async def test_weights_checksum_is_the_references_in_every_residency_and_asleep(
     reference = small_pipeline()
     expected = {n: reference_checksum(m.named_parameters()) for n, m in reference.items()}
     pipe = small_pipeline()
-    async with LifecycleController(device_layer=FaultyDevice(),
+    async with LifecycleController(device_layer=faulty_device(),
                                    residency="text_encoder=layerwise-offload,vae=component-offload,"
                                              "transformer=snapshot-offload") as ctl:
         await ctl.attach(pipe)

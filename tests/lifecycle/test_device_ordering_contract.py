@@ -16,7 +16,7 @@ import torch
 from lifecycle import LifecycleController, UnsupportedCompute
 from lifecycle.demo import DemoPipeline
 from strategies import CopyHandle, CpuDevice
-from strategies._device import CopyPair, Tier
+from strategies.devices import CopyPair, Tier
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 

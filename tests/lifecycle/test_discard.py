@@ -20,7 +20,8 @@ from lifecycle import (
     WeightsDiscarded,
 )
 from lifecycle.demo import DemoPipeline
-from lifecycle.testing import FaultyDevice
+from lifecycle.testing import FaultInjection
+from tests.helpers import faulty_device
 from tests.models.zoo import CASES
 
 pytestmark = pytest.mark.anyio
@@ -32,12 +33,12 @@ MODES = ["resident", "component-offload", "snapshot-offload", "layerwise-offload
 Served = tuple[LifecycleController, DemoPipeline, torch.Tensor, dict[str, torch.Tensor]]
 
 
-async def served(mode: str, layer: FaultyDevice | None = None, **kwargs: object) -> Served:
+async def served(mode: str, layer: FaultInjection | None = None, **kwargs: object) -> Served:
     """A demo pipeline with its transformer in ``mode``, its output, its transformer weights."""
     pipe = DemoPipeline.build(SIZE)
     expected = pipe.forward_sync(steps=2)
     state = {k: v.clone() for k, v in pipe.modules["transformer"].state_dict().items()}
-    ctl = LifecycleController(device_layer=layer or FaultyDevice(),
+    ctl = LifecycleController(device_layer=layer or faulty_device(),
                               residency=f"transformer={mode}", **kwargs)  # type: ignore[arg-type]
     await ctl.attach(pipe)
     return ctl, pipe, expected, state
@@ -51,7 +52,7 @@ async def serve() -> AsyncIterator[Serve]:
     """``await serve(mode, layer, **kwargs)``: :func:`served`, the controller closed after the
     test however it ends."""
     async with AsyncExitStack() as stack:
-        async def make(mode: str, layer: FaultyDevice | None = None, **kwargs: object) -> Served:
+        async def make(mode: str, layer: FaultInjection | None = None, **kwargs: object) -> Served:
             made = await served(mode, layer, **kwargs)
             stack.push_async_callback(made[0].aclose)
             return made
@@ -108,7 +109,7 @@ async def test_discard_names_are_checked_before_anything_moves(serve: Serve) -> 
 async def test_a_discard_on_release_naming_a_missing_component_is_refused_at_attach() -> None:
     """The controller's default is checked against the pipeline when it is attached (not at
     the first release, which would then fail every time): nothing is attached."""
-    async with LifecycleController(device_layer=FaultyDevice(),
+    async with LifecycleController(device_layer=faulty_device(),
                                    discard_on_release=["transformer", "unet"]) as ctl:
         with pytest.raises(InvalidRequest, match=r"discard_on_release names unknown components "
                                                  r"\['unet'\]"):
@@ -137,7 +138,7 @@ async def test_a_dirty_discarded_component_copies_nothing_and_its_refresh_is_can
     """After an update (mirrors refreshing in the background, slowly) a discarding sleep
     moves no byte of the transformer to the host and does not wait for the refresh: it is
     cancelled before it copied every tensor."""
-    layer = FaultyDevice(copy_delay=0.005)
+    layer = faulty_device(copy_delay=0.005)
     pipe = DemoPipeline.build(16 * 2**20)
     state = {k: v.clone() for k, v in pipe.modules["transformer"].state_dict().items()}
     async with LifecycleController(device_layer=layer) as ctl:
@@ -225,7 +226,7 @@ async def test_a_fault_at_any_point_of_a_discarding_sleep_or_its_wake_changes_no
         when: str, serve: Serve) -> None:
     """For every copy and allocation of a discarding sleep (or of the wake after it), an
     injected failure leaves phase, placement, host bytes and the stale set as they were."""
-    probe = FaultyDevice()
+    probe = faulty_device()
     ctl, _, _, _ = await serve("component-offload", probe)
     if when == "wake":
         await ctl.sleep(discard=["transformer", "text_encoder"])
@@ -236,7 +237,7 @@ async def test_a_fault_at_any_point_of_a_discarding_sleep_or_its_wake_changes_no
     assert len(points) >= 3
     await ctl.aclose()
     for kind, k in points:
-        layer = FaultyDevice()
+        layer = faulty_device()
         ctl, _, _, _ = await serve("component-offload", layer)
         if when == "wake":
             await ctl.sleep(discard=["transformer", "text_encoder"])
@@ -271,7 +272,7 @@ async def test_real_models_come_back_exactly_from_their_own_state_dict(case: str
     model = model_case.build(0)
     expected = model_case.run(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    async with LifecycleController(device_layer=FaultyDevice(), residency=f"model={mode}") as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=f"model={mode}") as ctl:
         await ctl.attach({"model": model})
         await ctl.sleep(discard=True)
         await ctl.wake()

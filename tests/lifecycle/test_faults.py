@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from lifecycle import LifecycleController, OccupationResult, Phase, TransitionFailed
-from lifecycle.testing import FaultyDevice, InjectedFault
-from tests.helpers import fingerprints, run_pipeline, small_pipeline
+from lifecycle.testing import FaultInjection, InjectedFault
+from tests.helpers import SelectedFaultyDevice, faulty_device, fingerprints, run_pipeline, small_pipeline
 
 pytestmark = pytest.mark.anyio
 
@@ -45,7 +45,7 @@ SCENARIOS: dict[str, tuple[list[Step], Step, Phase]] = {
 }
 
 
-async def start(steps: list[Step], layer: FaultyDevice
+async def start(steps: list[Step], layer: FaultInjection
                 ) -> tuple[LifecycleController, dict[str, nn.Module]]:
     pipe = small_pipeline()
     states[id(pipe)] = {n: {k: v.clone() for k, v in pipe[n].state_dict().items()}
@@ -63,7 +63,7 @@ async def start(steps: list[Step], layer: FaultyDevice
 
 
 async def count_ops(steps: list[Step], target: Step) -> tuple[int, int]:
-    probe = FaultyDevice()
+    probe = faulty_device()
     ctl, _ = await start(steps, probe)
     copies, allocs = probe.copies, probe.allocations
     await target(ctl)
@@ -88,7 +88,7 @@ async def test_fault_at_every_point_rolls_back_exactly_and_retry_succeeds(
     points = copies if kind == "copy" else allocs
     assert points > 3
     for k in range(1, points + 1):
-        layer = FaultyDevice()
+        layer = faulty_device()
         ctl, pipe = await start(steps, layer)
         before_phase, before_report, before_sums = ctl.phase, ctl.report(), fingerprints(pipe)
         if kind == "copy":
@@ -113,7 +113,7 @@ async def test_fault_at_every_point_rolls_back_exactly_and_retry_succeeds(
         assert fingerprints(pipe) == BUILT
 
 
-class OverlapDetector(FaultyDevice):
+class OverlapDetector(SelectedFaultyDevice):
     """Fails the test if two copy batches ever run at the same time."""
 
     active = 0
@@ -162,7 +162,7 @@ async def test_rolled_back_buffers_are_freed_at_once_not_by_the_garbage_collecto
     backups) are gone as soon as the call returns: a traceback must not pin them."""
     import gc
 
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl, pipe = await start([sleep_, wake_] if target != "wake" else [sleep_], layer)
     gc.collect()
     gc.disable()
@@ -185,7 +185,7 @@ async def test_rolled_back_buffers_are_freed_at_once_not_by_the_garbage_collecto
 async def test_a_failure_on_one_rank_names_no_failed_ranks() -> None:
     """Without a process group, TransitionFailed.failed_ranks is empty (it names ranks only
     when several ranks voted)."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl, _ = await start([], layer)
     layer.arm(copy_at=1)
     with pytest.raises(TransitionFailed) as info:

@@ -23,7 +23,8 @@ from lifecycle import (
 )
 from lifecycle.demo import DemoPipeline
 from lifecycle.demo._checkpoint import write_checkpoint
-from lifecycle.testing import FaultyDevice
+from lifecycle.testing import FaultInjection
+from tests.helpers import faulty_device
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -53,13 +54,13 @@ async def make(tmp_path: Path) -> AsyncIterator[Make]:
     ``tmp_path`` and attached (with ``checkpoint=`` those files), its output before attach;
     the controller closed after the test."""
     async with AsyncExitStack() as stack:
-        async def made(residency: str | None = None, layer: FaultyDevice | None = None,
+        async def made(residency: str | None = None, layer: FaultInjection | None = None,
                        checkpoint: bool = True) -> Made:
             pipe = DemoPipeline.build(SIZE)
             expected = pipe.forward_sync(steps=2)
             root = write_checkpoint({n: m.state_dict() for n, m in pipe.modules.items()},
                                     tmp_path / "ckpt")
-            ctl = LifecycleController(device_layer=layer or FaultyDevice(), residency=residency)
+            ctl = LifecycleController(device_layer=layer or faulty_device(), residency=residency)
             stack.push_async_callback(ctl.aclose)
             await ctl.attach(pipe, checkpoint=root if checkpoint else None)
             return ctl, pipe, expected, root
@@ -145,7 +146,7 @@ async def test_a_fault_at_any_read_copy_or_allocation_of_the_wake_rolls_it_back(
     dit = DemoPipeline.build(SIZE, num_layers=2).modules["transformer"]
     root = write_checkpoint({"transformer": dit.state_dict()}, tmp_path)
     before = {k: v.detach().clone() for k, v in dit.state_dict().items()}
-    layer = FaultyDevice()
+    layer = faulty_device()
     async with LifecycleController(device_layer=layer, residency=f"transformer={mode}") as ctl:
         await ctl.attach({"transformer": dit}, checkpoint=root)
         assert (await ctl.sleep()).success
@@ -225,7 +226,7 @@ async def test_attach_with_a_checkpoint_of_other_weights_is_refused_naming_the_t
     pipe, other = DemoPipeline.build(SIZE), DemoPipeline.build(SIZE, seed=1)
     root = write_checkpoint({n: m.state_dict() for n, m in other.modules.items()}, tmp_path)
     before = state(pipe)
-    async with LifecycleController(device_layer=FaultyDevice()) as ctl:
+    async with LifecycleController(device_layer=faulty_device()) as ctl:
         with pytest.raises(CheckpointMismatch) as info:
             await ctl.attach(pipe, checkpoint=root)
         assert info.value.component == "text_encoder" and info.value.tensor

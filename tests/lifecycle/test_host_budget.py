@@ -11,8 +11,8 @@ import torch
 
 from lifecycle import HostBudgetExceeded, LifecycleController, Phase, TransitionFailed
 from lifecycle.demo import DemoPipeline
-from lifecycle.testing import FaultyDevice
 from strategies import DeviceLayer
+from tests.helpers import faulty_device
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -39,7 +39,7 @@ async def make() -> AsyncIterator[Make]:
                        **kwargs: object) -> tuple[LifecycleController, DemoPipeline, torch.Tensor]:
             pipe = DemoPipeline.build(SIZE)
             expected = pipe.forward_sync(steps=2)
-            ctl = LifecycleController(device_layer=layer or FaultyDevice(), residency=residency,
+            ctl = LifecycleController(device_layer=layer or faulty_device(), residency=residency,
                                       **kwargs)  # type: ignore[arg-type]
             stack.push_async_callback(ctl.aclose)
             await ctl.attach(pipe)
@@ -103,7 +103,7 @@ async def test_an_attach_whose_host_copies_do_not_fit_is_refused_with_nothing_at
     refused before allocating, the controller stays detached, the modules untouched."""
     pipe = DemoPipeline.build(SIZE)
     before = state(pipe)
-    layer = FaultyDevice()
+    layer = faulty_device()
     async with LifecycleController(device_layer=layer, residency="vae=component-offload",
                                    host_budget=0) as ctl:
         with pytest.raises(HostBudgetExceeded) as info:
@@ -165,7 +165,7 @@ async def test_pins_go_to_streamed_layers_first_and_the_rest_stays_pageable(
     """With a pin budget for the transformer's streamed layers only, they get it; the other
     components' mirrors are pageable, the report says why, and sleep/wake stays bit-exact
     (pageable copies staged through the CUDA layer's pinned buffers)."""
-    from strategies._testing import sim_cuda_layer
+    from strategies.checking import sim_cuda_layer
 
     residency = "transformer=layerwise-offload,vae=component-offload"
     probe, _, _ = await make(residency, layer=sim_cuda_layer())
@@ -190,7 +190,7 @@ async def test_released_mirrors_after_wake_are_copied_again_by_the_next_sleep(
     """With release_mirrors_after_wake the wake leaves only the offloaded VAE's mirror on
     the host; the next sleep copies every resident byte from the device again (a fault at
     its first mirror allocation rolls it back, still awake and exact), then wakes exact."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl, pipe, expected = await make("vae=component-offload", layer=layer,
                                      release_mirrors_after_wake=True)
     assert (await ctl.sleep()).success and (await ctl.wake()).success
@@ -212,7 +212,7 @@ async def test_the_drill_reports_host_bytes_by_kind_and_its_budgets() -> None:
     """A drill under a host budget gives the budgets and each step's host bytes by kind
     (asleep: every byte a mirror, pinned only where the layer pins)."""
     from lifecycle.cli.drills import default_scenario, run_drill
-    from strategies._layers import cpu_layer_kind
+    from strategies.devices import cpu_layer_kind
 
     report = await run_drill(default_scenario(cycles=1), size="1MB", host_budget="64MB",
                              pin_budget="32MB")
@@ -234,7 +234,7 @@ async def test_with_no_pin_budget_every_mirror_is_pageable_and_staged_bit_exact(
     """On the CUDA layer (over a simulated GPU) a pin budget of 0 makes every mirror
     pageable: nothing is pinned, and sleep and wake (staged through the layer's pinned
     buffers) give back the same output."""
-    from strategies._testing import sim_cuda_layer
+    from strategies.checking import sim_cuda_layer
 
     ctl, pipe, expected = await make(f"transformer={mode}", layer=sim_cuda_layer(),
                                      pin_budget=0)
@@ -347,7 +347,7 @@ async def test_a_residency_change_past_the_pin_budget_makes_its_new_mirrors_page
     """On the CUDA layer (over a simulated GPU) with a pin budget spent already, offloading
     the transformer is not refused: its new mirrors are pageable, nothing more is pinned,
     and it serves, sleeps and wakes bit-exact."""
-    from strategies._testing import sim_cuda_layer
+    from strategies.checking import sim_cuda_layer
 
     ctl, pipe, expected = await make(layer=sim_cuda_layer())
     pinned = ctl.report().host_held_pinned

@@ -20,8 +20,8 @@ import structlog
 import lifecycle
 from lifecycle import LifecycleController, TransitionFailed, configure_logging
 from lifecycle import _events as events
-from lifecycle.testing import FaultyDevice, capture_events
-from tests.helpers import small_pipeline
+from lifecycle.testing import capture_events
+from tests.helpers import faulty_device, small_pipeline
 
 pytestmark = pytest.mark.anyio
 
@@ -189,7 +189,7 @@ async def test_plain_formatter_renders_one_line_per_event() -> None:
 async def test_rolled_back_transition_is_one_warning_with_its_cause() -> None:
     """A failed transition yields one transition.rolled_back warning with trigger,
     transition and error."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = LifecycleController(device_layer=layer)
     await ctl.attach(small_pipeline())
     layer.arm(copy_at=2)
@@ -370,7 +370,7 @@ def test_exception_logs_never_render_local_variables(capsys: pytest.CaptureFixtu
 
 async def test_failed_transition_logs_a_rolled_back_event(caplog: pytest.LogCaptureFixture) -> None:
     """A rollback is visible as one structured event with the cause."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = LifecycleController(device_layer=layer)
     await ctl.attach(small_pipeline())
     layer.arm(copy_at=2)

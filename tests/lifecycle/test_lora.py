@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from lifecycle import InvalidRequest, LifecycleController, UpdateResult
-from lifecycle.testing import FaultyDevice
-from tests.helpers import small_pipeline
+from tests.helpers import faulty_device, small_pipeline
 
 pytestmark = pytest.mark.anyio
 
@@ -195,7 +194,7 @@ async def test_a_fault_at_every_copy_and_allocation_of_a_merge_rolls_back_weight
     a zero adapter afterwards still gives the pristine base back."""
     first, second = adapter("0", 4, 32, 16, seed=8), adapter("0", 4, 32, 16, seed=9)
     zero = {"0.lora_A.weight": torch.zeros(4, 16), "0.lora_B.weight": torch.ones(32, 4)}
-    probe = FaultyDevice()
+    probe = faulty_device()
     async with LifecycleController(device_layer=probe, residency=f"transformer={mode}") as ctl:
         await ctl.attach(small_pipeline())
         copies, allocs = probe.copies, probe.allocations
@@ -205,7 +204,7 @@ async def test_a_fault_at_every_copy_and_allocation_of_a_merge_rolls_back_weight
     for kind, n in points.items():
         for k in range(1, n + 1):
             for earlier in ([], [first]):
-                layer = FaultyDevice()
+                layer = faulty_device()
                 async with LifecycleController(device_layer=layer,
                                                residency=f"transformer={mode}") as ctl:
                     pipe = small_pipeline()

@@ -24,8 +24,7 @@ from lifecycle import (
     UpdateResult,
 )
 from lifecycle.metrics import ControllerMetrics
-from lifecycle.testing import FaultyDevice
-from tests.helpers import small_pipeline
+from tests.helpers import faulty_device, small_pipeline
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -150,7 +149,7 @@ async def test_unseen_series_are_exported_at_zero(make: Make) -> None:
 async def test_phase_gauge_follows_the_controller(make: Make) -> None:
     """The phase gauge is 1 for the current phase and 0 for the three others, through
     attach, sleep, wake, a weight update in progress and detach."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = make(device_layer=layer)
     pipe = small_pipeline()
     metrics = ControllerMetrics(ctl)
@@ -214,7 +213,7 @@ async def test_placement_and_state_gauges_are_read_at_scrape_time(make: Make) ->
 async def test_rolled_back_sleep_counts_as_rolled_back(make: Make) -> None:
     """A dirty sleep whose first copy fails counts once as rolled_back, not as committed,
     and adds no duration."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = make(device_layer=layer)
     pipe = small_pipeline()
     with ControllerMetrics(ctl) as metrics:
@@ -234,7 +233,7 @@ async def test_rolled_back_sleep_counts_as_rolled_back(make: Make) -> None:
 
 async def test_cancelled_sleep_counts_as_cancelled(make: Make) -> None:
     """A sleep cancelled while it copies counts once as cancelled."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = make(device_layer=layer)
     with ControllerMetrics(ctl) as metrics:
         await ctl.attach(small_pipeline())

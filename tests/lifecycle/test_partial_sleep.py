@@ -15,8 +15,7 @@ from lifecycle import (
     TransitionFailed,
     TransitionRejected,
 )
-from lifecycle.testing import FaultyDevice
-from tests.helpers import fingerprints, small_pipeline
+from tests.helpers import faulty_device, fingerprints, small_pipeline
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -130,7 +129,7 @@ async def test_a_discarding_partial_sleep_drops_only_the_components_it_releases(
 async def test_a_fault_in_a_partial_sleep_rolls_it_back() -> None:
     """The second copy of a two-component partial sleep fails: both stay on the device and
     awake, the weights unchanged; the same sleep then succeeds."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     pipe = small_pipeline()
     async with LifecycleController(device_layer=layer) as ctl:
         await ctl.attach(pipe)

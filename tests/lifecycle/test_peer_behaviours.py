@@ -15,8 +15,8 @@ import transformers
 from torch import nn
 
 from lifecycle import InfeasibleBudget, LifecycleController, ResidencyPlan, WeightsDiscarded
-from lifecycle.testing import FaultyDevice
 from strategies import ResidencyConfig
+from tests.helpers import faulty_device
 from tests.models.zoo import _clip_config, _clip_inputs
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -98,7 +98,7 @@ async def test_a_discarding_sleep_takes_tensors_of_every_shape_and_dtype(mode: s
     with torch.no_grad():
         expected = model(x)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    async with LifecycleController(device_layer=FaultyDevice(), residency=f"m={mode}") as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=f"m={mode}") as ctl:
         await ctl.attach({"m": model})
         result = await ctl.sleep(discard=True)
         assert result.success and result.discarded == ("m",)
@@ -126,7 +126,7 @@ async def test_a_clip_model_with_its_scalar_logit_scale_sleeps_by_discarding(mod
     model = clip_model()
     expected = clip_logits(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    async with LifecycleController(device_layer=FaultyDevice(), residency=f"clip={mode}") as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=f"clip={mode}") as ctl:
         await ctl.attach({"clip": model})
         assert (await ctl.sleep(discard=True)).success
         await ctl.wake()
@@ -148,7 +148,7 @@ async def test_every_call_naming_an_unknown_component_raises_unknown_component()
     from lifecycle.demo import DemoPipeline
 
     pipe = DemoPipeline.build(2**16)
-    async with LifecycleController(device_layer=FaultyDevice()) as ctl:
+    async with LifecycleController(device_layer=faulty_device()) as ctl:
         await ctl.attach(pipe)
         before = ctl.weights_checksum()
         known = ["text_encoder", "transformer", "vae"]
@@ -176,7 +176,7 @@ async def test_an_upload_matching_nothing_is_refused_naming_its_keys_as_given() 
     nothing is refused naming those keys as sent, the module prefix not added again."""
     from lifecycle.demo import DemoPipeline
 
-    async with LifecycleController(device_layer=FaultyDevice()) as ctl:
+    async with LifecycleController(device_layer=faulty_device()) as ctl:
         await ctl.attach(DemoPipeline.build(2**16))
         result = await ctl.update_weights_from_tensors(
             {"transformer.no_such.weight": torch.zeros(2)}, "transformer")
@@ -193,7 +193,7 @@ async def test_a_forward_outside_use_of_a_stale_offloaded_component_says_discard
     refused as WeightsDiscarded (the reason that holds whatever the placement), not as
     not placed."""
     model = EveryShape()
-    async with LifecycleController(device_layer=FaultyDevice(), residency=f"m={mode}") as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=f"m={mode}") as ctl:
         await ctl.attach({"m": model})
         await ctl.sleep(discard=True)
         await ctl.wake()
@@ -214,7 +214,7 @@ async def test_a_validation_request_that_raises_restores_the_previous_residency(
 
     pipe = DemoPipeline.build(2**16)
     expected = pipe.forward_sync(steps=2)
-    layer = FaultyDevice()
+    layer = faulty_device()
     uses = ["text_encoder", "transformer", "vae"]
     async with LifecycleController(device_layer=layer) as ctl:
         await ctl.attach(pipe)
@@ -262,9 +262,9 @@ async def test_attaching_a_module_another_controller_manages_is_refused_naming_i
     transformer = pipe.modules["transformer"]
     block = next(m for m in transformer.modules() if m is not transformer
                  and next(m.parameters(), None) is not None)
-    async with LifecycleController(device_layer=FaultyDevice(),
+    async with LifecycleController(device_layer=faulty_device(),
                                    residency="transformer=component-offload") as first, \
-            LifecycleController(device_layer=FaultyDevice()) as second:
+            LifecycleController(device_layer=faulty_device()) as second:
         await first.attach(pipe)
         hooks = sum(len(m._forward_pre_hooks) for m in transformer.modules())
         refusals = {
@@ -320,7 +320,7 @@ async def test_buffers_a_use_updates_are_kept_after_it(mode: str) -> None:
     model, plain = Counting().train(), Counting().train()
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     weight = model.lin.weight.detach().clone()
-    async with LifecycleController(device_layer=FaultyDevice(), residency=f"m={mode}") as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=f"m={mode}") as ctl:
         await ctl.attach({"m": model})
         for i, x in enumerate(xs):
             async with ctl.use("m"):
@@ -349,7 +349,7 @@ async def test_a_failed_copy_back_of_a_snapshot_buffer_keeps_the_live_values() -
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain(x)
-    layer = FaultyDevice()
+    layer = faulty_device()
     async with LifecycleController(device_layer=layer, residency="m=snapshot-offload") as ctl:
         await ctl.attach({"m": model})
         async with ctl.use("m"):
@@ -379,7 +379,7 @@ async def test_a_failed_use_keeps_no_device_buffer_alive_through_its_exception(
 
     from lifecycle import TransitionFailed
 
-    layer = FaultyDevice()
+    layer = faulty_device()
     async with LifecycleController(device_layer=layer, residency=f"m={mode}",
                                    prefetch_components=False) as ctl:
         await ctl.attach({"m": EveryShape()})
@@ -429,7 +429,7 @@ async def test_an_offloaded_component_moved_by_hand_is_refused_naming_what_chang
     from lifecycle import TransitionRejected
 
     model = Small()
-    async with LifecycleController(device_layer=FaultyDevice(), residency=f"m={mode}") as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=f"m={mode}") as ctl:
         await ctl.attach({"m": model})
         model.to(dtype)
         new = str(dtype).removeprefix("torch.")
@@ -456,7 +456,7 @@ async def test_a_resident_component_moved_by_hand_is_adopted_exactly() -> None:
     cast by hand is taken as it now is (warned), and serves, sleeps and wakes in float64."""
     model = Small()
     x = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    async with LifecycleController(device_layer=FaultyDevice(), residency="m=resident") as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency="m=resident") as ctl:
         await ctl.attach({"m": model})
         model.to(torch.float64)
         with torch.no_grad():
@@ -484,7 +484,7 @@ async def test_a_residency_hand_off_releases_the_old_owner_before_loading_the_ne
 
     pipe = DemoPipeline.build(2**16)
     expected = pipe.forward_sync(steps=2)
-    async with LifecycleController(device_layer=FaultyDevice(), residency=SWAP_FROM) as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=SWAP_FROM) as ctl:
         await ctl.attach(pipe)
         sizes = {n: c.total_bytes for n, c in ctl.report().components.items()}
         ctl.reset_peak()
@@ -506,7 +506,7 @@ async def test_a_hand_off_whose_load_fails_at_any_point_puts_the_old_owner_back(
 
     pipe = DemoPipeline.build(2**16)
     expected = pipe.forward_sync(steps=2)
-    layer = FaultyDevice()
+    layer = faulty_device()
     async with LifecycleController(device_layer=layer, residency=SWAP_FROM) as ctl:
         await ctl.attach(pipe)
         before = ctl.report()
@@ -547,7 +547,7 @@ async def test_a_real_model_cast_by_hand_while_offloaded_is_refused_and_kept_as_
     from tests.models.zoo import CASES
 
     model = CASES[case].build(0)
-    async with LifecycleController(device_layer=FaultyDevice(),
+    async with LifecycleController(device_layer=faulty_device(),
                                    residency="m=component-offload") as ctl:
         await ctl.attach({"m": model})
         model.half()
@@ -574,7 +574,7 @@ async def hand_off_peak(start: str, to: str | ResidencyPlan) -> tuple[int | None
 
     pipe = DemoPipeline.build(2**16)
     expected = pipe.forward_sync(steps=2)
-    async with LifecycleController(device_layer=FaultyDevice(), residency=start) as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=start) as ctl:
         await ctl.attach(pipe)
         ctl.reset_peak()
         change = await ctl.set_residency(to, validate=False)
@@ -617,7 +617,7 @@ async def test_a_plan_whose_hand_off_would_pass_its_budget_is_refused_before_any
     from lifecycle.demo import DemoPipeline
 
     pipe = DemoPipeline.build(2**16)
-    async with LifecycleController(device_layer=FaultyDevice(), residency=SWAP_FROM) as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=SWAP_FROM) as ctl:
         await ctl.attach(pipe)
         planned = await ctl.plan(160000, uses=["text_encoder", "transformer", "vae"])
         plan = dataclasses.replace(planned, config=ResidencyConfig.parse(TO_LAYERWISE),
@@ -646,7 +646,7 @@ async def test_a_plan_reports_the_transient_peak_of_applying_it_from_the_layout_
     from lifecycle.demo import DemoPipeline
 
     pipe = DemoPipeline.build(2**16)
-    async with LifecycleController(device_layer=FaultyDevice(), residency=SWAP_FROM) as ctl:
+    async with LifecycleController(device_layer=faulty_device(), residency=SWAP_FROM) as ctl:
         await ctl.attach(pipe)
         plan = await ctl.plan(160000, uses=["text_encoder", "transformer", "vae"])
         assert plan.config.to_string() == ResidencyConfig.parse(SWAP_TO).to_string()

@@ -20,7 +20,7 @@ from lifecycle._planner import (
 )
 from lifecycle.cli import main
 from lifecycle.demo import DemoPipeline
-from lifecycle.testing import FaultyDevice
+from tests.helpers import faulty_device
 from tests.lifecycle.test_planner import _exhaustive
 
 LAYERS = (100, 100, 100, 100)
@@ -78,7 +78,7 @@ async def test_the_controller_plans_under_its_host_budget() -> None:
     """ctl.plan() holds the layout to the controller's host budget: with none, everything
     resident-or-offloaded fits; with a host budget of 0 only resident layouts may be chosen."""
     pipe = DemoPipeline.build(2**20)
-    async with LifecycleController(device_layer=FaultyDevice(), host_budget=0) as ctl:
+    async with LifecycleController(device_layer=faulty_device(), host_budget=0) as ctl:
         await ctl.attach(pipe)
         free = await ctl.plan(pipe.nbytes * 2, host_budget="1GiB")
         assert free.host_budget_bytes == 2**30

@@ -19,9 +19,8 @@ from lifecycle import (
     TransitionRejected,
     WeightUpdateWhileSleeping,
 )
-from lifecycle.testing import FaultyDevice
 from strategies import ComponentResidencyError, StoreError
-from tests.helpers import fingerprints, layer, small_pipeline, tensor_ids
+from tests.helpers import faulty_device, fingerprints, layer, small_pipeline, tensor_ids
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +41,7 @@ async def test_fifty_tasks_thousand_calls_no_deadlock_and_every_call_answered() 
         ref = small_pipeline()
         ref["transformer"].load_state_dict(state)
         versions[name] = fingerprints(ref)
-    ctl = LifecycleController(device_layer=FaultyDevice(), residency=RESIDENCY, drain_timeout=10)
+    ctl = LifecycleController(device_layer=faulty_device(), residency=RESIDENCY, drain_timeout=10)
     await ctl.attach(pipe)
     answered: list[str] = []
     rng = random.Random(11)

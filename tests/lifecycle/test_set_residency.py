@@ -21,9 +21,10 @@ from lifecycle import (
     TransitionRejected,
 )
 from lifecycle.demo import DemoPipeline
-from lifecycle.testing import FaultyDevice, InjectedFault
+from lifecycle.testing import InjectedFault
 from strategies import CpuDevice, ResidencyMode
-from strategies._device import Tier
+from strategies.devices import Tier
+from tests.helpers import faulty_device
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -141,14 +142,14 @@ async def test_a_fault_at_any_allocation_or_copy_leaves_the_old_layout(
     (awake, and asleep to or from resident) fails it with TransitionFailed and leaves the old
     layout exactly (strategies, tensors' addresses, report, outputs); the change then
     succeeds on the same controller."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl, pipe, expected = await _attached(before, layer)
     async with ctl:
         if sleeping:
             await ctl.sleep()
         before_layout = _layout(ctl)
         # A probe run on a twin controller counts the change's allocations and copies.
-        probe = FaultyDevice()
+        probe = faulty_device()
         twin, _, _ = await _attached(before, probe)
         async with twin:
             if sleeping:

@@ -7,8 +7,15 @@ import torch
 from torch import nn
 
 from lifecycle import LifecycleController, Phase
-from lifecycle.testing import FaultyDevice
-from tests.helpers import fingerprints, layer, run_pipeline, small_pipeline, tensor_ids, tied_lm
+from tests.helpers import (
+    faulty_device,
+    fingerprints,
+    layer,
+    run_pipeline,
+    small_pipeline,
+    tensor_ids,
+    tied_lm,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -75,7 +82,7 @@ async def test_wake_keeps_dtype_shape_requires_grad_and_tied_weights() -> None:
 
 async def test_unchanged_weights_sleep_without_copying_and_mirrors_are_reused() -> None:
     """The first sleep fills the mirrors; later sleeps copy nothing and allocate no host memory."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     pipe = small_pipeline()
     ctl = LifecycleController(device_layer=layer)
     await ctl.attach(pipe)

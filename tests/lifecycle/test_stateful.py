@@ -34,8 +34,7 @@ from lifecycle import (
     WeightsDiscarded,
     WeightUpdateWhileSleeping,
 )
-from lifecycle.testing import FaultyDevice
-from tests.helpers import fingerprints, small_pipeline
+from tests.helpers import faulty_device, fingerprints, small_pipeline
 
 pytestmark = pytest.mark.moves
 
@@ -84,7 +83,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             (Path(self.tmp.name) / name / "transformer").mkdir(parents=True)
             save_file(STATES[name], str(Path(self.tmp.name) / name / "transformer" / "w.safetensors"))
         self.pipe = small_pipeline()
-        self.layer = FaultyDevice()
+        self.layer = faulty_device()
         self.ctl = self.portal.call(self._make)
         self.phase = Phase.UNINITIALIZED
         # The transformer's weights ("orig", "A", "B"), None while stale (discarded by a sleep

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from lifecycle import ComponentAsleep, LifecycleController, Phase, TransitionFailed
+from lifecycle._blocking import SyncLifecycleController
 from lifecycle._checksum import tensor_sha256
 from lifecycle._planner import ResidencyPlan
 from lifecycle._results import Computed
-from lifecycle._sync import SyncLifecycleController
-from lifecycle.testing import FaultyDevice
-from tests.helpers import fingerprints, run_pipeline, small_pipeline
+from tests.helpers import faulty_device, fingerprints, run_pipeline, small_pipeline
 
 pytestmark = pytest.mark.moves
 
@@ -112,7 +111,7 @@ def test_many_threads_calling_at_once_all_get_answers_and_weights_survive(backen
     all get answers without deadlock; the end state is consistent and weights unchanged."""
     pipe = small_pipeline()
     sums, outputs = fingerprints(pipe), run_pipeline(pipe)
-    layer = FaultyDevice(jitter=0.0005, seed=1)  # small random copy delays: real interleavings
+    layer = faulty_device(jitter=0.0005, seed=1)  # small random copy delays: real interleavings
     with SyncLifecycleController(device_layer=layer, backend=backend) as sctl:
         sctl.attach(pipe)
         first = sctl.weights_checksum()
@@ -163,7 +162,7 @@ def test_failed_sleep_raises_transition_failed_in_the_calling_thread_and_retry_w
     leaves the pipeline AWAKE and intact, and a retry succeeds."""
     pipe = small_pipeline()
     sums, outputs = fingerprints(pipe), run_pipeline(pipe)
-    layer = FaultyDevice()
+    layer = faulty_device()
     with SyncLifecycleController(device_layer=layer, backend=backend) as sctl:
         sctl.attach(pipe)
         assert sctl.device_layer is layer

@@ -238,9 +238,9 @@ async def test_calls_during_an_update_wait_their_turn_then_see_awake(trigger: st
     the outcome it would get in AWAKE; the update itself completes untouched."""
     import anyio
 
-    from lifecycle.testing import FaultyDevice
+    from tests.helpers import faulty_device
 
-    layer = FaultyDevice(copy_delay=0.002)
+    layer = faulty_device(copy_delay=0.002)
     pipe = small_pipeline()
     ctl = LifecycleController(device_layer=layer)
     await ctl.attach(pipe)

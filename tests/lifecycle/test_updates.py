@@ -12,8 +12,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lifecycle import LifecycleController, Phase, UpdateResult, WeightUpdateWhileSleeping
-from lifecycle.testing import FaultyDevice
-from tests.helpers import fingerprints, layer, run_pipeline, small_pipeline, tensor_ids
+from tests.helpers import faulty_device, fingerprints, layer, run_pipeline, small_pipeline, tensor_ids
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -103,7 +102,7 @@ async def test_resident_update_writes_mirror_too_so_next_sleep_copies_nothing() 
 
 async def test_offloaded_update_touches_only_the_host_store() -> None:
     """A component-offload update makes no device round trip: no device allocation."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl, pipe = await attached("component-offload", layer)
     allocs = layer.allocations - layer.host_allocations
     await ctl.update_weights_from_tensors(new_state(pipe["text_encoder"]), "text_encoder")
@@ -218,7 +217,7 @@ async def test_update_while_sleeping_raises_and_uninitialized_fails() -> None:
 async def test_fault_at_every_copy_and_allocation_rolls_back_every_tensor(mode: str) -> None:
     """For every k, failing the k-th copy or allocation of an update of two components
     leaves every checksum as before; a retry then succeeds."""
-    probe = FaultyDevice()
+    probe = faulty_device()
     ctl, pipe = await attached(mode, probe)
     copies, allocs = probe.copies, probe.allocations
     state = new_state(pipe["text_encoder"])
@@ -228,7 +227,7 @@ async def test_fault_at_every_copy_and_allocation_rolls_back_every_tensor(mode: 
     assert points["copy"] > 10 and points["alloc"] > 10
     for kind, n in points.items():
         for k in range(1, n + 1):
-            layer = FaultyDevice()
+            layer = faulty_device()
             ctl, pipe = await attached(mode, layer)
             sums = ctl.weights_checksum()
             layer.arm(**{f"{kind}_at": k})
@@ -248,7 +247,7 @@ async def test_fault_at_every_read_of_a_disk_update_rolls_back_every_tensor(
         tmp_path: Path, mode: str) -> None:
     """For every k, failing the k-th copy of an update from disk (file reads straight into
     place count as copies) leaves every checksum as before; a retry then succeeds."""
-    probe = FaultyDevice()
+    probe = faulty_device()
     ctl, pipe = await attached(mode, probe)
     write_checkpoint(tmp_path, pipe, ["transformer", "text_encoder"])
     before = probe.copies
@@ -256,7 +255,7 @@ async def test_fault_at_every_read_of_a_disk_update_rolls_back_every_tensor(
     n = probe.copies - before
     assert n >= 10
     for k in range(1, n + 1):
-        layer = FaultyDevice()
+        layer = faulty_device()
         ctl, pipe = await attached(mode, layer)
         sums = ctl.weights_checksum()
         layer.arm(copy_at=k)
@@ -436,7 +435,7 @@ async def test_fault_at_every_point_of_an_update_whose_mirrors_are_current() -> 
     while writing the device rolls back from the mirror; a fault while bringing the mirror up
     to date (in the background) leaves the update done and the mirror stale, which the next
     sleep copies."""
-    probe = FaultyDevice()
+    probe = faulty_device()
     ctl, pipe = await attached("resident", probe)
     await ctl.sleep()
     await ctl.wake()
@@ -449,7 +448,7 @@ async def test_fault_at_every_point_of_an_update_whose_mirrors_are_current() -> 
     new_sums = ctl.weights_checksum()
     outcomes = set()
     for k in range(1, points + 1):
-        layer = FaultyDevice()
+        layer = faulty_device()
         ctl, pipe = await attached("resident", layer)
         await ctl.sleep()
         await ctl.wake()

@@ -12,8 +12,7 @@ from safetensors.torch import save_file
 
 from lifecycle import LifecycleController, SyncLifecycleController
 from lifecycle.metrics import ControllerMetrics
-from lifecycle.testing import FaultyDevice
-from tests.helpers import small_pipeline
+from tests.helpers import faulty_device, small_pipeline
 
 pytestmark = pytest.mark.anyio
 
@@ -28,7 +27,7 @@ def version_info(metrics: ControllerMetrics) -> dict[str, float]:
 async def test_the_label_follows_successful_updates_only(tmp_path: Path) -> None:
     """A successful update (tensors, disk) stores its label, one without a label keeps the
     last, a refused or rolled-back update keeps it too; results, report and metrics agree."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     async with LifecycleController(device_layer=layer) as ctl:
         metrics = ControllerMetrics(ctl)
         pipe = small_pipeline()

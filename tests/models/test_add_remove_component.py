@@ -20,9 +20,9 @@ from lifecycle import (
     TransitionRejected,
     UnknownComponent,
 )
-from lifecycle.testing import FaultyDevice, InjectedFault
+from lifecycle.testing import FaultInjection, InjectedFault
 from strategies import LayerwiseOffloadStrategy, is_layerwise_offloaded
-from tests.helpers import device_tier_storages, fingerprint
+from tests.helpers import device_tier_storages, faulty_device, fingerprint
 from tests.models.zoo import CASES, build_deep
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -36,11 +36,11 @@ def one_layer_clip(seed: int) -> nn.Module:
     return build_deep("clip_text", 1, seed)
 
 
-async def served(layer: FaultyDevice | None = None, residency: str = RESIDENCY,
+async def served(layer: FaultInjection | None = None, residency: str = RESIDENCY,
                  small: bool = False) -> tuple[LifecycleController, dict[str, nn.Module]]:
     pipe = {"text_encoder": one_layer_clip(0) if small else CLIP.build(0),
             "transformer": one_layer_clip(5) if small else FLUX.build(0)}
-    ctl = LifecycleController(device_layer=layer or FaultyDevice(), residency=residency)
+    ctl = LifecycleController(device_layer=layer or faulty_device(), residency=residency)
     await ctl.attach(pipe)
     return ctl, pipe
 
@@ -272,7 +272,7 @@ async def test_a_remove_that_cannot_be_done_is_refused_with_its_reason() -> None
 
 
 async def ops(step: str, mode: str, residency: str) -> tuple[int, int]:
-    probe = FaultyDevice()
+    probe = faulty_device()
     ctl, _ = await served(probe, residency, small=True)
     copies, allocs = probe.copies, probe.allocations
     await run_step(ctl, step, mode)
@@ -308,7 +308,7 @@ async def test_a_fault_at_every_copy_and_allocation_leaves_the_pipeline_as_it_wa
     if points == 0:
         pytest.skip(f"{step} of a {mode} component makes no {kind}")
     for k in range(1, points + 1):
-        layer = FaultyDevice()
+        layer = faulty_device()
         ctl, pipe = await served(layer, residency, small=True)
         added = CLIP.build(1)
         before = (list(ctl.components), placed(ctl), layer.live_device_bytes,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lifecycle import LifecycleController
-from lifecycle.testing import FaultyDevice
+from lifecycle.testing import FaultInjection
+from tests.helpers import faulty_device
 from tests.models.zoo import CASES
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -21,8 +22,8 @@ MODES = ["component-offload", "snapshot-offload"]
 
 
 async def served(mode: str, prefetch_components: bool = False
-                 ) -> tuple[LifecycleController, FaultyDevice]:
-    layer = FaultyDevice()
+                 ) -> tuple[LifecycleController, FaultInjection]:
+    layer = faulty_device()
     ctl = LifecycleController(device_layer=layer, prefetch_components=prefetch_components,
                               residency=f"text_encoder={mode},transformer=component-offload")
     await ctl.attach({"text_encoder": CLIP.build(0), "transformer": FLUX.build(0)})

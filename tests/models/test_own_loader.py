@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lifecycle import LifecycleController
-from lifecycle.testing import FaultyDevice
+from lifecycle.testing import FaultInjection
+from tests.helpers import faulty_device
 from tests.models.zoo import CASES
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -70,10 +71,10 @@ def qkv_of_block_0(model: nn.Module) -> dict[str, torch.Tensor]:
             any(f".{part}." in n for _, part, _ in STACKED)}
 
 
-async def served(mode: str = "resident", layer: FaultyDevice | None = None
+async def served(mode: str = "resident", layer: FaultInjection | None = None
                  ) -> tuple[LifecycleController, nn.Module]:
     model = fused_flux(0)
-    ctl = LifecycleController(device_layer=layer or FaultyDevice(),
+    ctl = LifecycleController(device_layer=layer or faulty_device(),
                               residency=f"transformer={mode}")
     await ctl.attach({"transformer": model})
     return ctl, model
@@ -175,7 +176,7 @@ async def test_a_fault_at_every_copy_and_allocation_of_the_loaders_write_rolls_i
     """Failing the k-th copy (or allocation) of an update through the loader, for every k:
     rolled back, checksum and output as before; the retry applies it."""
     checkpoint = qkv_of_block_0(FLUX.build(1))
-    probe = FaultyDevice()
+    probe = faulty_device()
     ctl, _ = await served("component-offload", probe)
     counts = probe.copies, probe.allocations
     assert (await ctl.update_weights_from_tensors(checkpoint, "transformer")).success
@@ -185,7 +186,7 @@ async def test_a_fault_at_every_copy_and_allocation_of_the_loaders_write_rolls_i
     assert points["copy"] > 0
     for kind, n in points.items():
         for k in range(1, n + 1):
-            layer = FaultyDevice()
+            layer = faulty_device()
             ctl, _ = await served("component-offload", layer)
             before = (ctl.weights_checksum(), await output(ctl))
             layer.arm(**{f"{kind}_at": k})

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from lifecycle import TransitionFailed, TransitionRejected
-from lifecycle.testing import FaultyDevice
-from tests.helpers import small_pipeline
+from tests.helpers import faulty_device, small_pipeline
 from tests.ranks.test_collective import collective, run_ranks
 
 pytestmark = pytest.mark.moves
@@ -24,7 +23,7 @@ def extra() -> nn.Module:
 
 
 async def _fault_then_retry(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = collective(rank, layer)
     await ctl.attach(small_pipeline())
     out: dict[str, Any] = {}

@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lifecycle import GroupBroken, LifecycleController, RanksDisagree, TransitionFailed
-from lifecycle.testing import FaultyDevice
-from tests.helpers import fingerprints, small_pipeline
+from tests.helpers import SelectedFaultyDevice, faulty_device, fingerprints, small_pipeline
 
 Scenario = Callable[[int, int, Path], Awaitable[dict[str, Any]]]
 TIMEOUT = 3.0
@@ -69,7 +68,7 @@ def run_ranks(scenario: Scenario, tmp: Path, world: int = 2,
 
 
 def collective(rank: int, layer: Any = None) -> LifecycleController:
-    return LifecycleController(device_layer=layer or FaultyDevice(),
+    return LifecycleController(device_layer=layer or faulty_device(),
                                process_group=dist.group.WORLD, collective_timeout=TIMEOUT)
 
 
@@ -109,7 +108,7 @@ def test_a_sleep_failing_on_one_rank_rolls_back_on_every_rank(tmp_path: Path) ->
     rank is still awake with its bytes in place, and the retry commits everywhere."""
 
     async def scenario(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-        layer = FaultyDevice()
+        layer = faulty_device()
         ctl = collective(rank, layer)
         pipe = small_pipeline()
         await ctl.attach(pipe)
@@ -139,7 +138,7 @@ def test_an_update_refused_or_rolled_back_on_one_rank_fails_on_every_rank(tmp_pa
     back) both give every rank the same failed result naming rank 1; nothing changed."""
 
     async def scenario(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-        layer = FaultyDevice()
+        layer = faulty_device()
         ctl = collective(rank, layer)
         pipe = small_pipeline()
         await ctl.attach(pipe)
@@ -171,7 +170,7 @@ def test_ranks_driven_apart_are_refused_naming_each_phase(tmp_path: Path) -> Non
     nothing moves."""
 
     async def scenario(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-        ctl = LifecycleController(device_layer=FaultyDevice())
+        ctl = LifecycleController(device_layer=faulty_device())
         await ctl.attach(small_pipeline())
         if rank == 0:
             await ctl.sleep()
@@ -189,7 +188,7 @@ def test_ranks_driven_apart_are_refused_naming_each_phase(tmp_path: Path) -> Non
         assert out[r]["phase"] == phase
 
 
-class _DiesOnCopy(FaultyDevice):
+class _DiesOnCopy(SelectedFaultyDevice):
     """Rank 1's device layer: the process dies in the middle of a copy."""
 
     def _copy_one(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -254,7 +253,7 @@ def test_a_rank_that_cannot_drain_makes_every_rank_raise_drain_timeout(tmp_path:
     rank 1, every rank stays awake, and the sleep after the use ended commits everywhere."""
 
     async def scenario(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-        ctl = LifecycleController(device_layer=FaultyDevice(), drain_timeout=0.3,
+        ctl = LifecycleController(device_layer=faulty_device(), drain_timeout=0.3,
                                   process_group=dist.group.WORLD, collective_timeout=TIMEOUT)
         await ctl.attach(small_pipeline())
         raised: dict[str, Any] = {}

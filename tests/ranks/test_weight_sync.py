@@ -27,8 +27,7 @@ from lifecycle import (
 )
 from lifecycle._checksum import reference_checksum
 from lifecycle._weight_sync import parse_specs
-from lifecycle.testing import FaultyDevice
-from tests.helpers import layer, small_pipeline
+from tests.helpers import faulty_device, layer, small_pipeline
 from tests.models.zoo import CASES
 from tests.ranks.test_collective import TIMEOUT, run_ranks
 from tests.ranks.trainer import Trainer, free_port
@@ -114,7 +113,7 @@ def test_two_server_ranks_take_one_broadcast_and_refuse_together(tmp_path: Path)
         trainer.broadcast(list(named.values()))
 
     async def scenario(rank: int, world: int, tmp: Path) -> dict[str, Any]:
-        async with LifecycleController(device_layer=FaultyDevice(), process_group=dist.group.WORLD,
+        async with LifecycleController(device_layer=faulty_device(), process_group=dist.group.WORLD,
                                        collective_timeout=TIMEOUT) as ctl:
             pipe = small_pipeline()
             if rank == 1:
@@ -152,7 +151,7 @@ async def test_a_trainer_killed_mid_broadcast_fails_the_update_and_breaks_the_gr
     before, the group is reported broken and refuses updates until destroyed; a new group
     with a new trainer then works."""
     pipe = small_pipeline()
-    async with LifecycleController(device_layer=FaultyDevice()) as ctl:
+    async with LifecycleController(device_layer=faulty_device()) as ctl:
         await ctl.attach(pipe)
         await joined(trainer, ctl, bucket_bytes=1024)
         named = shifted(small_pipeline(seed=1)["transformer"], 1.0)
@@ -207,7 +206,7 @@ async def test_a_fault_while_writing_rolls_back_and_keeps_the_trainer_in_step(
     """A copy failing while the second bucket is written rolls every written tensor back;
     the rest of the broadcast is still received (the trainer's completes), the group stays
     usable and the retry commits."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     async with LifecycleController(device_layer=layer) as ctl:
         pipe = small_pipeline()
         await ctl.attach(pipe)

@@ -17,13 +17,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lifecycle import LifecycleController
-from lifecycle.testing import FaultyDevice
+from lifecycle.testing import FaultInjection
 from strategies import (
     LayerwiseOffloadStrategy,
     ResidencyConfig,
 )
-from strategies._device import Tier
-from tests.helpers import small_pipeline
+from strategies.devices import Tier
+from tests.helpers import SelectedFaultyDevice, faulty_device, small_pipeline
 
 DIM = 16
 NONLAYER_BYTES = 2 * (DIM * DIM + DIM) * 4  # DiT.inp and DiT.out: 2176
@@ -52,7 +52,7 @@ def raises_exactly(kind: type[Exception], message: str) -> pytest.RaisesExc[Exce
     return pytest.raises(kind, match=f"^{re.escape(message)}$")
 
 
-class TrackingDevice(FaultyDevice):
+class TrackingDevice(SelectedFaultyDevice):
     """Counts the bytes of live device-tier buffers the layer allocated, and their peak
     (checked at every allocation, so buffers of prefetches still in flight count too).
 
@@ -176,13 +176,13 @@ def layerwise_config(prefetch: float = 1.0, resident: float = 0.0,
                                  policy={"transformer": policy})
 
 
-async def attach_layerwise(config: ResidencyConfig, n: int = 6, layer: FaultyDevice | None = None
+async def attach_layerwise(config: ResidencyConfig, n: int = 6, layer: FaultInjection | None = None
                            ) -> tuple[LifecycleController, DiT, DiT, LayerwiseOffloadStrategy]:
     """A controller serving a layerwise DiT, a resident copy of the same weights, the strategy."""
     torch.manual_seed(0)
     model = DiT(n)
     reference = copy.deepcopy(model)
-    ctl = LifecycleController(device_layer=layer or FaultyDevice(), residency=config)
+    ctl = LifecycleController(device_layer=layer or faulty_device(), residency=config)
     await ctl.attach({"transformer": model})
     strategy = ctl.strategy("transformer")
     assert isinstance(strategy, LayerwiseOffloadStrategy)
@@ -206,8 +206,8 @@ def device_layers(strategy: LayerwiseOffloadStrategy) -> set[int]:
     return {i for i, u in enumerate(strategy.units) if u is not None and u.where == "device"}
 
 
-async def offload_all(drain_timeout: float = 30.0) -> tuple[LifecycleController, FaultyDevice]:
-    layer = FaultyDevice()
+async def offload_all(drain_timeout: float = 30.0) -> tuple[LifecycleController, FaultInjection]:
+    layer = faulty_device()
     ctl = LifecycleController(device_layer=layer, residency="all=component-offload",
                               drain_timeout=drain_timeout)
     await ctl.attach(small_pipeline())

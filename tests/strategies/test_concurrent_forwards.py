@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from lifecycle import LifecycleController
-from lifecycle.testing import FaultyDevice
+from lifecycle.testing import FaultInjection
 from strategies import LayerwiseOffloadStrategy, ResidencyConfig
+from tests.helpers import faulty_device
 from tests.strategies.strategy_suite import NONLAYER_BYTES, DiT, x_in
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -31,13 +32,13 @@ def _one_intra_op_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-async def serving(prefetch: int) -> tuple[LifecycleController, DiT, DiT, FaultyDevice,
+async def serving(prefetch: int) -> tuple[LifecycleController, DiT, DiT, FaultInjection,
                                           LayerwiseOffloadStrategy]:
     torch.manual_seed(0)
     model = DiT(LAYERS)
     reference = copy.deepcopy(model)
     # 1 ms per allocation plus up to 1 ms jitter on every allocation and copy.
-    layer = FaultyDevice(alloc_delay=0.001, jitter=0.001, seed=prefetch)
+    layer = faulty_device(alloc_delay=0.001, jitter=0.001, seed=prefetch)
     config = ResidencyConfig.parse("transformer=layerwise-offload",
                                    prefetch={"transformer": prefetch})
     ctl = LifecycleController(device_layer=layer, residency=config)
@@ -47,7 +48,7 @@ async def serving(prefetch: int) -> tuple[LifecycleController, DiT, DiT, FaultyD
     return ctl, model, reference, layer, strategy
 
 
-def assert_idle(ctl: LifecycleController, layer: FaultyDevice, device_bytes: int,
+def assert_idle(ctl: LifecycleController, layer: FaultInjection, device_bytes: int,
                 live: int = 0) -> None:
     """Exact accounting: the report, the bytes in flight and the buffers the layer allocated
     that are really alive (``live``: the non-layer weights once a wake allocated them; the

@@ -1,4 +1,4 @@
-"""The CUDA layer's own code (strategies._cuda.CudaDevice) on the simulated GPU: weight updates
+"""The CUDA layer's own code (strategies.devices._cuda.CudaDevice) on the simulated GPU: weight updates
 of every dtype and layout, layerwise memory bounds, threads and devices, streams, mappings.
 
 These run in every test pass: the layers here are built over a simulated GPU explicitly."""
@@ -27,8 +27,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lifecycle import ComponentBusy, LifecycleController, Phase, UnsupportedCompute
-from lifecycle.testing import FaultyDevice, SimCuda, check_cuda_sim, sim_cuda_layer
+from lifecycle.testing import SimCuda, check_cuda_sim, sim_cuda_layer
 from strategies import CudaDevice, LayerwiseOffloadStrategy, ResidencyConfig
+from tests.helpers import faulty_device
 from tests.strategies.typed_buffers import DTYPES, Typed, new_values
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -286,7 +287,7 @@ async def test_a_layerwise_forward_outside_use_during_an_update_is_refused() -> 
     """While an update writes the host stores a layerwise component streams from, its forward
     outside use() is refused (it would race with the write); after the update it serves the
     new weights."""
-    layer = FaultyDevice(copy_delay=0.02)
+    layer = faulty_device(copy_delay=0.02)
     torch.manual_seed(0)
     model = Net(4)
     expected = copy.deepcopy(model)
@@ -490,7 +491,7 @@ async def test_each_layer_refreshes_in_a_thread_of_its_own_that_close_stops() ->
         for seed in range(2):
             torch.manual_seed(seed)
             module = nn.Sequential(nn.Linear(8, 8))
-            ctl = await stack.enter_async_context(LifecycleController(device_layer=FaultyDevice()))
+            ctl = await stack.enter_async_context(LifecycleController(device_layer=faulty_device()))
             await ctl.attach({"net": module})
             await ctl.sleep()
             await ctl.wake()  # mirrors exist: an update leaves them to refresh

@@ -1,4 +1,4 @@
-"""What each wait, record and synchronization of the CUDA layer (strategies._cuda) orders, on
+"""What each wait, record and synchronization of the CUDA layer (strategies.devices._cuda) orders, on
 the simulated GPU: each test fails when the one it names is taken out (scripts/mutate_cuda.py
 takes them out one at a time)."""
 

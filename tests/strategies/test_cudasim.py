@@ -1,4 +1,4 @@
-"""The simulated GPU itself (strategies._cudasim): what it models, and what it reports."""
+"""The simulated GPU itself (strategies.checking._cudasim): what it models, and what it reports."""
 
 from __future__ import annotations
 

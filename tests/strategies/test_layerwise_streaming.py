@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from lifecycle import LifecycleController, TransitionFailed
-from lifecycle.testing import FaultyDevice, InjectedFault
+from lifecycle.testing import InjectedFault
 from strategies import (
     enable_layerwise_offload,
 )
+from tests.helpers import faulty_device
 from tests.strategies.strategy_suite import (
     DIM,
     LAYER_BYTES,
@@ -175,7 +176,7 @@ async def test_layerwise_recovers_from_a_block_that_raises_mid_forward() -> None
 async def test_layerwise_fault_while_placing_a_use_is_rolled_back(kind: str) -> None:
     """A failed move-in of the resident layers raises TransitionFailed and changes nothing;
     the next use is placed and exact."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl, model, reference, strategy = await attach_layerwise(layerwise_config(1.0, 2.0), layer=layer)
     before = ctl.report().components["transformer"]
     layer.arm(**{f"{kind}_at": 2})
@@ -195,7 +196,7 @@ async def test_layerwise_fault_while_placing_a_use_is_rolled_back(kind: str) -> 
 async def test_layerwise_copy_fault_inside_a_forward_fails_that_forward_only(k: int) -> None:
     """A layer fetch that fails raises out of the forward; the next forward is exact and the
     use ends with only non-layer bytes on the device."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl, model, reference, strategy = await attach_layerwise(layerwise_config(1.0, 0.0), layer=layer)
     with torch.no_grad():
         async with ctl.use("transformer"):
@@ -214,7 +215,7 @@ async def test_layerwise_streams_every_listed_block_list() -> None:
     module = TwoLists()
     reference = copy.deepcopy(module)
     enable_layerwise_offload(module, ["encoder.layers", "decoder.layers"])
-    ctl = LifecycleController(device_layer=FaultyDevice(), residency="transformer=layerwise-offload")
+    ctl = LifecycleController(device_layer=faulty_device(), residency="transformer=layerwise-offload")
     await ctl.attach({"transformer": module})
     assert ctl.report().components["transformer"].device_bytes == (DIM * DIM + DIM) * 4
     with torch.no_grad():

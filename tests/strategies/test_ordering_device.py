@@ -352,7 +352,7 @@ def test_the_option_puts_controllers_that_make_their_own_layer_on_the_ordering_l
 def test_the_environment_picks_the_layer_of_a_cpu_device(monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
     """RESIDENCY_DEVICE_LAYER=ordering makes every CPU layer the library builds itself (and
-    lifecycle.testing's FaultyDevice) an ordering layer, cuda-sim the CUDA layer over a
+    lifecycle.testing's faulty_device_layer) an ordering layer, cuda-sim the CUDA layer over a
     simulated GPU (a program started by a test runs its moves as CUDA orders them); 'cpu' or
     nothing gives the plain layer; anything else is refused naming the valid values."""
     import lifecycle.testing
@@ -362,12 +362,12 @@ def test_the_environment_picks_the_layer_of_a_cpu_device(monkeypatch: pytest.Mon
     monkeypatch.setenv(DEVICE_LAYER_ENV, "ordering")
     assert type(make_device_layer("cpu")) is OrderingDevice
     assert isinstance(faulty_device_layer("cpu", fail_copy_at=3), OrderingFaultyDevice)
-    assert issubclass(lifecycle.testing.FaultyDevice, OrderingFaultyDevice)
+    assert issubclass(lifecycle.testing.faulty_cpu_layer_class(), OrderingFaultyDevice)
     monkeypatch.setenv(DEVICE_LAYER_ENV, "cuda-sim")
     layer = make_device_layer("cpu")
     assert type(layer) is CudaDevice and isinstance(layer.runtime, SimCuda)
     assert isinstance(faulty_device_layer("cpu", fail_copy_at=3), FaultyCudaDevice)
-    assert issubclass(lifecycle.testing.FaultyDevice, FaultyCudaDevice)
+    assert issubclass(lifecycle.testing.faulty_cpu_layer_class(), FaultyCudaDevice)
     monkeypatch.setenv(DEVICE_LAYER_ENV, "cpu")
     assert type(make_device_layer("cpu")) is CpuDevice
     monkeypatch.delenv(DEVICE_LAYER_ENV)
@@ -376,6 +376,21 @@ def test_the_environment_picks_the_layer_of_a_cpu_device(monkeypatch: pytest.Mon
     with pytest.raises(ValueError, match="'cpu', 'ordering', 'cuda-sim'"):
         make_device_layer("cpu")
     monkeypatch.delenv(DEVICE_LAYER_ENV)
-    # FaultyDevice is looked up now: the plain one, whatever the pass imported
+    # the factories read the variable when called: the plain layer, whatever the pass imported
     assert type(faulty_device_layer("cpu")) is lifecycle.testing.FaultyDevice
-    assert not issubclass(lifecycle.testing.FaultyDevice, (OrderingFaultyDevice, FaultyCudaDevice))
+    assert lifecycle.testing.faulty_cpu_layer_class() is lifecycle.testing.FaultyDevice
+
+
+def test_faulty_device_is_the_cpu_layer_whatever_the_environment(monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """lifecycle.testing.FaultyDevice names one class, the CPU layer with fault injection,
+    under every RESIDENCY_DEVICE_LAYER; the selected layer comes from the factories."""
+    from lifecycle.testing import DEVICE_LAYER_ENV, LAYER_KINDS, FaultyCudaDevice, FaultyDevice
+    from strategies import CpuDevice
+
+    for kind in LAYER_KINDS:
+        monkeypatch.setenv(DEVICE_LAYER_ENV, kind)
+        layer = FaultyDevice(fail_copy_at=3)
+        assert type(layer) is FaultyDevice and isinstance(layer, CpuDevice)
+        assert not isinstance(layer, (OrderingFaultyDevice, FaultyCudaDevice))
+        layer.close()

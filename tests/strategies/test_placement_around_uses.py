@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from lifecycle import ComponentNotPlaced, LifecycleController
-from lifecycle.testing import FaultyDevice
-from tests.helpers import small_pipeline
+from tests.helpers import faulty_device, small_pipeline
 from tests.strategies.strategy_suite import (
     OFFLOADED_TRANSFORMER_BYTES,
     Counting,
@@ -25,7 +24,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 async def test_resident_stays_on_device_and_nothing_moves_around_a_use() -> None:
     """A resident component is wholly on the device while awake; a use copies nothing."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     model = Counting()
     ctl = LifecycleController(device_layer=layer)
     await ctl.attach({"transformer": model})
@@ -46,7 +45,7 @@ async def test_offload_places_the_component_only_for_the_duration_of_a_use(mode:
     torch.manual_seed(0)
     pipe = small_pipeline()
     reference = copy.deepcopy(pipe["transformer"])
-    ctl = LifecycleController(device_layer=FaultyDevice(), residency=f"transformer={mode}")
+    ctl = LifecycleController(device_layer=faulty_device(), residency=f"transformer={mode}")
     await ctl.attach(pipe)
 
     def device() -> int:
@@ -64,7 +63,7 @@ async def test_offload_places_the_component_only_for_the_duration_of_a_use(mode:
 
 async def test_component_offload_repeated_use_copies_nothing_back_when_unchanged() -> None:
     """A use cycle of unchanged weights copies each tensor in once and nothing out."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = LifecycleController(device_layer=layer, residency="transformer=component-offload")
     await ctl.attach(small_pipeline())
     for _ in range(3):
@@ -79,7 +78,7 @@ async def test_component_offload_repeated_use_copies_nothing_back_when_unchanged
 
 async def test_component_offload_copies_back_a_weight_changed_during_a_use() -> None:
     """An in-place change made during a use is copied back (that tensor only) and persists."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = LifecycleController(device_layer=layer, residency="transformer=component-offload")
     pipe = small_pipeline()
     await ctl.attach(pipe)
@@ -100,7 +99,7 @@ async def test_component_offload_copies_back_a_weight_changed_during_a_use() -> 
 async def test_snapshot_offload_discards_changes_made_during_a_use() -> None:
     """The kept host copy is the truth: in-place changes vanish at the end of the use,
     without any copy back, and the next use computes with the original weights."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = LifecycleController(device_layer=layer, residency="transformer=snapshot-offload")
     pipe = small_pipeline()
     reference = copy.deepcopy(pipe["transformer"])
@@ -125,7 +124,7 @@ async def test_component_offload_keeps_batch_norm_statistics_updated_during_a_us
     torch.manual_seed(0)
     vae = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8)).train()
     reference = copy.deepcopy(vae)
-    ctl = LifecycleController(device_layer=FaultyDevice(), residency="vae=component-offload")
+    ctl = LifecycleController(device_layer=faulty_device(), residency="vae=component-offload")
     await ctl.attach({"vae": vae})
     z = torch.linspace(-1, 1, 2 * 4 * 25).reshape(2, 4, 5, 5)
     with torch.no_grad():
@@ -141,7 +140,7 @@ async def test_component_offload_keeps_batch_norm_statistics_updated_during_a_us
 
 async def test_concurrent_uses_share_one_placement_until_the_last_one_ends() -> None:
     """Two overlapping uses of one offloaded component move it in once and out after both."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = LifecycleController(device_layer=layer, residency="transformer=component-offload")
     await ctl.attach(small_pipeline())
     first_in, second_done = anyio.Event(), anyio.Event()
@@ -168,7 +167,7 @@ async def test_forward_of_an_offloaded_component_outside_use_is_refused_and_neve
         mode: str) -> None:
     """Outside use() the weights are on the host: the forward raises, naming the component."""
     model = Counting()
-    ctl = LifecycleController(device_layer=FaultyDevice(), residency=f"text_encoder={mode}")
+    ctl = LifecycleController(device_layer=faulty_device(), residency=f"text_encoder={mode}")
     await ctl.attach({"text_encoder": model})
     with pytest.raises(ComponentNotPlaced) as info:
         model(x_in())

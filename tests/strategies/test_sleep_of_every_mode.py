@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lifecycle import LifecycleController
-from lifecycle.testing import FaultyDevice
+from tests.helpers import faulty_device
 from tests.strategies.strategy_suite import (
     LAYER_BYTES,
     NONLAYER_BYTES,
@@ -38,7 +38,7 @@ async def test_sleep_releases_every_strategy_and_wake_restores_each_awake_placem
     restores each mode's placement and the outputs are bit-identical."""
     pipe = mixed_pipeline()
     reference = copy.deepcopy(pipe)
-    ctl = LifecycleController(device_layer=FaultyDevice(), residency=MIXED)
+    ctl = LifecycleController(device_layer=faulty_device(), residency=MIXED)
     await ctl.attach(pipe)
 
     def device() -> dict[str, int]:
@@ -62,7 +62,7 @@ async def test_sleep_releases_every_strategy_and_wake_restores_each_awake_placem
 async def test_report_shows_the_mode_of_every_component_and_no_pinned_bytes_on_cpu() -> None:
     """The report names each component's mode; on the CPU layers no host byte is pinned
     (on the CUDA one, every host byte is)."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl = LifecycleController(device_layer=layer, residency=MIXED)
     await ctl.attach(mixed_pipeline())
     report = ctl.report()

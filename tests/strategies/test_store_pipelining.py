@@ -14,8 +14,8 @@ from torch import nn
 import strategies._store as store_module
 from lifecycle.testing import FaultInjection, InjectedFault
 from strategies import DeviceLayer
-from strategies._device import CopyPair, Tier
 from strategies._store import Move
+from strategies.devices import CopyPair, Tier
 from strategies.protocol import TensorStore, forget_locals
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]

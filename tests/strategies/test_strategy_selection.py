@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from lifecycle import LifecycleController, Phase, TransitionFailed
-from lifecycle.testing import FaultyDevice
 from strategies import (
     ComponentResidencyError,
     LayerwiseOffloadStrategy,
@@ -25,7 +24,7 @@ from strategies.protocol import (
     SnapshotOffloadStrategy,
     build_strategy,
 )
-from tests.helpers import fingerprints, small_pipeline
+from tests.helpers import faulty_device, fingerprints, small_pipeline
 from tests.strategies.strategy_suite import (
     DiT,
     _one_intra_op_thread,  # noqa: F401 (an autouse fixture)
@@ -95,7 +94,7 @@ async def test_attach_refuses_layerwise_for_a_module_without_block_lists_and_mov
     torch.manual_seed(0)
     pipe: dict[str, nn.Module] = {"transformer": DiT(), "vae": nn.Sequential(nn.Conv2d(4, 8, 3))}
     sums, ptrs = fingerprints(pipe), {n: pointers(m) for n, m in pipe.items()}
-    ctl = LifecycleController(device_layer=FaultyDevice(),
+    ctl = LifecycleController(device_layer=faulty_device(),
                               residency="transformer=layerwise-offload,vae=layerwise-offload")
     with raises_exactly(ComponentResidencyError, "Component 'vae' resolved to layerwise-offload, "
                         "but its loaded module did not enable layerwise offload"):
@@ -113,7 +112,7 @@ async def test_refused_attach_leaves_no_hooks_that_move_tensors_on_forward() -> 
     torch.manual_seed(0)
     pipe: dict[str, nn.Module] = {"transformer": DiT(), "vae": nn.Sequential(nn.Conv2d(4, 8, 3))}
     ptrs = pointers(pipe["transformer"])
-    ctl = LifecycleController(device_layer=FaultyDevice(),
+    ctl = LifecycleController(device_layer=faulty_device(),
                               residency="transformer=layerwise-offload,vae=layerwise-offload")
     with pytest.raises(ComponentResidencyError):
         await ctl.attach(pipe)
@@ -124,7 +123,7 @@ async def test_refused_attach_leaves_no_hooks_that_move_tensors_on_forward() -> 
 
 async def test_attach_retried_after_a_failed_placement_serves_identical_outputs() -> None:
     """A copy fault during attach is rolled back; attaching again serves the same outputs."""
-    layer = FaultyDevice()
+    layer = faulty_device()
     torch.manual_seed(0)
     model = DiT()
     reference = copy.deepcopy(model)
@@ -142,7 +141,7 @@ async def test_attach_refuses_inference_tensors_with_a_clear_error() -> None:
     """A module created under torch.inference_mode is refused with a ValueError naming the tensor."""
     with torch.inference_mode():
         model = mlp()
-    ctl = LifecycleController(device_layer=FaultyDevice(), residency="transformer=component-offload")
+    ctl = LifecycleController(device_layer=faulty_device(), residency="transformer=component-offload")
     with pytest.raises(ValueError, match=r"'0\.weight'.*inference"):
         await ctl.attach({"transformer": model})
     assert ctl.phase is Phase.UNINITIALIZED
@@ -153,7 +152,7 @@ async def test_attach_validates_the_whole_config_before_anything_moves() -> None
     pipe = small_pipeline()
     pipe["transformer"] = DiT()
     sums, ptrs = fingerprints(pipe), {n: pointers(m) for n, m in pipe.items()}
-    ctl = LifecycleController(device_layer=FaultyDevice(),
+    ctl = LifecycleController(device_layer=faulty_device(),
                               residency="transformer=layerwise-offload,transformer_3=component-offload")
     with raises_exactly(ValueError, "residency selector 'transformer_3' matches no component; "
                         "components: ['text_encoder', 'transformer', 'vae']; "

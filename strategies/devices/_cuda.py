@@ -1,7 +1,7 @@
 """The CUDA device layer: pinned mirrors, copy streams of its own, events, staging.
 
-Every call into CUDA goes through one :class:`~strategies._cudart.CudaRuntime`: the real one
-(``torch.cuda``) on a GPU, or the simulated GPU of :mod:`strategies._cudasim`, on which this
+Every call into CUDA goes through one :class:`~strategies.devices._cudart.CudaRuntime`: the real one
+(``torch.cuda``) on a GPU, or the simulated GPU of :mod:`strategies.checking._cudasim`, on which this
 module's code runs in CI (``RESIDENCY_DEVICE_LAYER=cuda-sim``). "Device memory" below is what
 the runtime says is the device's (``is_device``): CUDA tensors on a GPU, the simulator's
 blocks and adopted storages on the CPU.

@@ -1,5 +1,5 @@
-"""A simulated CUDA device on the CPU: :class:`SimCuda`, a :class:`~strategies._cudart.CudaRuntime`
-that runs :class:`~strategies._cuda.CudaDevice`'s own code in CI and reports what would go
+"""A simulated CUDA device on the CPU: :class:`SimCuda`, a :class:`~strategies.devices._cudart.CudaRuntime`
+that runs :class:`~strategies.devices._cuda.CudaDevice`'s own code in CI and reports what would go
 wrong on a GPU.
 
 CPU tensors stand for device memory; the simulator models what matters for correctness:
@@ -92,7 +92,7 @@ from typing import Any
 
 import torch
 
-from ._cudart import MemoryStats
+from ..devices import MemoryStats
 from ._ordering import POISON, OrderingViolation, Violations, poison
 
 __all__ = ["POISON", "CudaSimViolation", "SimCuda", "SimEvent", "SimStream", "check_cuda_sim"]
@@ -140,7 +140,7 @@ class _State:
 
 
 _S = _State()
-# The simulator's one log of violations (see strategies._ordering.Violations).
+# The simulator's one log of violations (see strategies.checking._ordering.Violations).
 _record = _S.violations.record
 _fail = _S.violations.fail
 _raise_recorded = _S.violations.raise_recorded

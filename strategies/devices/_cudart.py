@@ -1,11 +1,11 @@
-"""The CUDA runtime seam: every call :class:`~strategies._cuda.CudaDevice` makes into CUDA.
+"""The CUDA runtime seam: every call :class:`~strategies.devices._cuda.CudaDevice` makes into CUDA.
 
 :class:`CudaRuntime` is the interface, for one device. Two implementations:
 
 * :class:`TorchCuda` -- the real one: each method forwards to ``torch.cuda`` (or the tensor
   method of the same name) and holds no logic. It is the only code of the CUDA layer that
   cannot run without a GPU, so it is kept this thin;
-* :class:`~strategies._cudasim.SimCuda` -- a simulated GPU on the CPU (CPU tensors as device
+* :class:`~strategies.checking._cudasim.SimCuda` -- a simulated GPU on the CPU (CPU tensors as device
   memory): streams whose work lands late, a compute stream that lags the host, torch's
   caching-allocator rules, pinned registration, poison. ``CudaDevice``'s own logic runs on it
   in CI (``RESIDENCY_DEVICE_LAYER=cuda-sim``).

@@ -16,10 +16,10 @@ __all__ = ["DEVICE_LAYER_ENV", "LAYER_KINDS", "cpu_layer_kind", "layer_seed", "m
 #: Environment variable naming the layer for a CPU device:
 #:
 #: * ``cpu`` (default): :class:`~strategies.CpuDevice`;
-#: * ``ordering``: :class:`~strategies._ordering.OrderingDevice` (copies land late, only when
+#: * ``ordering``: :class:`~strategies.checking._ordering.OrderingDevice` (copies land late, only when
 #:   waited for, and ordering mistakes raise);
-#: * ``cuda-sim``: :class:`~strategies._cuda.CudaDevice` itself, over a simulated GPU
-#:   (:mod:`strategies._cudasim`): the CUDA layer's own code runs, and what would go wrong on a
+#: * ``cuda-sim``: :class:`~strategies.devices._cuda.CudaDevice` itself, over a simulated GPU
+#:   (:mod:`strategies.checking._cudasim`): the CUDA layer's own code runs, and what would go wrong on a
 #:   GPU raises;
 #:
 #: so that a whole program (``residency serve``, a drill, rank workers) runs its moves as CUDA
@@ -63,12 +63,12 @@ def make_device_layer(device: str | torch.device | None) -> DeviceLayer:
         return CudaDevice(dev)
     kind = cpu_layer_kind()
     if kind == "ordering":
-        from ._ordering import OrderingDevice
+        from ..checking import OrderingDevice
 
         return OrderingDevice(dev, seed=layer_seed())
     if kind == "cuda-sim":
+        from ..checking import WORKSPACE_BYTES, SimCuda
         from ._cuda import CudaDevice
-        from ._cudasim import WORKSPACE_BYTES, SimCuda
 
         return CudaDevice(dev, runtime=SimCuda(seed=layer_seed(), workspace_bytes=WORKSPACE_BYTES))
     return CpuDevice(dev)

@@ -16,7 +16,7 @@ every copy and allocation so a test can enumerate every failure point::
 :class:`OrderingDevice` (and :class:`OrderingFaultyDevice`, the same with fault injection)
 runs the CUDA path's ordering on CPU: copies land late and only when waited for, poison (NaN)
 until then, and a buffer freed, overwritten or read out of order is reported
-(:class:`OrderingViolation`); see :mod:`strategies._ordering`.
+(:class:`OrderingViolation`); see :mod:`strategies.checking._ordering`.
 """
 
 from __future__ import annotations
@@ -31,19 +31,23 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._cuda import CudaDevice
-from ._cudart import CudaRuntime
-from ._cudasim import WORKSPACE_BYTES, CudaSimViolation, SimCuda, check_cuda_sim
-from ._device import CpuDevice, DeviceLayer, Tier, resolve_device
-from ._fileread import FileRegion
-from ._layers import DEVICE_LAYER_ENV, LAYER_KINDS, cpu_layer_kind, layer_seed, seed_layers
-from ._ordering import POISON, OrderingDevice, OrderingViolation, check_ordering
+from .._fileread import FileRegion
+from ..devices import (
+    CpuDevice,
+    CudaDevice,
+    CudaRuntime,
+    DeviceLayer,
+    Tier,
+    cpu_layer_kind,
+    layer_seed,
+    resolve_device,
+)
+from ._cudasim import WORKSPACE_BYTES, SimCuda
+from ._ordering import OrderingDevice
 
-__all__ = ["DEVICE_LAYER_ENV", "LAYER_KINDS", "POISON", "CudaSimViolation", "FaultInjection",
-           "FaultyCudaDevice", "FaultyDevice", "InjectedFault", "OrderingDevice",
-           "OrderingFaultyDevice", "OrderingViolation", "SimCuda", "check_cuda_sim",
-           "check_ordering", "faulty_cpu_layer_class", "faulty_device_layer", "layer_seed",
-           "seed_layers", "sim_cuda_layer"]
+__all__ = ["FaultInjection", "FaultyCudaDevice", "FaultyDevice", "InjectedFault",
+           "OrderingFaultyDevice", "faulty_cpu_layer_class", "faulty_device_layer",
+           "sim_cuda_layer"]
 
 
 class InjectedFault(RuntimeError):
@@ -167,7 +171,7 @@ class FaultyCudaDevice(FaultInjection, CudaDevice):
 
 
 class _SeededOrderingFaultyDevice(OrderingFaultyDevice):
-    """:class:`OrderingFaultyDevice` as :data:`~strategies._layers.DEVICE_LAYER_ENV` selects it
+    """:class:`OrderingFaultyDevice` as :data:`~strategies.devices._layers.DEVICE_LAYER_ENV` selects it
     for a CPU device: landing delays seeded from :func:`layer_seed` unless ``ordering_seed``
     is given (a test seeds the layers it makes, so a failure replays)."""
 
@@ -198,7 +202,7 @@ def faulty_cpu_layer_class() -> type[FaultInjection]:
 
 
 def sim_cuda_layer(**sim: Any) -> CudaDevice:
-    """:class:`~strategies._cuda.CudaDevice` over a simulated GPU (:class:`SimCuda`, made with
+    """:class:`~strategies.devices._cuda.CudaDevice` over a simulated GPU (:class:`SimCuda`, made with
     ``sim``: ``seed``, ``max_lag``, ``capacity``, ...): the CUDA layer's own code on the CPU."""
     sim.setdefault("seed", layer_seed())
     return CudaDevice(torch.device("cpu"), SimCuda(**sim))

@@ -59,7 +59,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._device import CopyHandle, CopyPair, CpuDevice, Tier
+from ..devices import CopyHandle, CopyPair, CpuDevice, Tier
 
 __all__ = ["POISON", "OrderingDevice", "OrderingViolation", "Violations", "check_ordering",
            "poison"]

@@ -3,14 +3,14 @@
 Everything above it moves bytes through four verbs: allocate on the device, allocate on
 the host, copy a batch of (destination, source) pairs, and wait. Implementations:
 
-* :class:`~strategies._cuda.CudaDevice` -- pinned host memory, copy streams of its own, an
+* :class:`~strategies.devices._cuda.CudaDevice` -- pinned host memory, copy streams of its own, an
   event per batch; the event loop never blocks (the wait happens in a worker thread). It is
-  the only layer that knows CUDA, through one runtime seam (:mod:`strategies._cudart`) that
-  a simulated GPU can stand behind (:mod:`strategies._cudasim`);
+  the only layer that knows CUDA, through one runtime seam (:mod:`strategies.devices._cudart`) that
+  a simulated GPU can stand behind (:mod:`strategies.checking._cudasim`);
 * :class:`CpuDevice` -- CPU tensors stand for the device tier, separate host buffers for the
   host tier, copies in a worker thread. It is real code, not a mock: the same strategies
   drive it and every failure path is exercised on it;
-* :class:`~strategies._ordering.OrderingDevice` -- the CPU layer with CUDA's ordering made
+* :class:`~strategies.checking._ordering.OrderingDevice` -- the CPU layer with CUDA's ordering made
   strict and visible (tests).
 
 Allocation and copy go through the overridable ``_alloc`` and ``_copy_one`` hooks, so a test
@@ -31,9 +31,9 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._errors import ResidencyError
-from ._fileread import FileRegion, read_regions
-from ._hostmem import HostLedger
+from .._errors import ResidencyError
+from .._fileread import FileRegion, read_regions
+from .._hostmem import HostLedger
 
 __all__ = [
     "CopyHandle",

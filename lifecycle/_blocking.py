@@ -8,7 +8,7 @@ portal queues their calls onto the one loop, the controller's lock serialises th
 transitions); errors arrive in the calling thread exactly as raised (``ComponentAsleep``,
 ``TransitionFailed``, ...)::
 
-    from lifecycle._sync import SyncLifecycleController
+    from lifecycle._blocking import SyncLifecycleController
 
     with SyncLifecycleController("cuda") as sctl:
         sctl.attach(pipe)
