@@ -68,10 +68,10 @@ from .._discard import Discard
 from .._errors import InvalidRequest
 from .._weight_sync import DEFAULT_TIMEOUT
 from ..metrics import ControllerMetrics
+from ..payload import FD_TIMEOUT, TransportError, check_load_format
 from ._driver import Driver, Generate, LocalDriver, RanksUnavailable, Upload
 from ._generations import GenerationAborted, GenerationRefused, Generations
 from ._ranks import OutputsDisagree
-from ._transport import FD_TIMEOUT, TransportError, check_load_format
 from ._wire import TensorRequest, WireRefused, client_fault, trainer_failed
 
 __all__ = ["ROUTES", "Generate", "create_app", "demo_generate"]

@@ -25,8 +25,8 @@ from .. import (
     WeightUpdateGroupResult,
 )
 from .._discard import Discard
+from ..payload import FD_TIMEOUT
 from ._checker import WeightsChecker
-from ._transport import FD_TIMEOUT
 from ._wire import Decoded, TensorRequest, decode_entry, device_uuid, pick_entry
 
 __all__ = ["DISCARDED", "Driver", "Generate", "LocalDriver", "RanksUnavailable", "Upload"]

@@ -51,9 +51,9 @@ from starlette.responses import JSONResponse, Response
 from strategies import ResidencyError
 
 from .._weight_sync import WeightSyncTransferFailed
+from ..payload import TransportError, decode_base64, decode_modules
 from ._app import _body, _refused, _Service, _service, _update_response
 from ._driver import RanksUnavailable
-from ._transport import TransportError, decode_base64, decode_modules
 from ._wire import WireRefused
 
 __all__ = ["TRANSFER_ROUTES", "WeightTransfer"]

@@ -10,7 +10,7 @@
   reference's rule: without ``payload_gpu_uuids``, the only entry, or entry ``rank`` of
   ``world_size`` entries; with them (one per entry), the entry whose UUID is the rank's own.
 * **An entry becomes the named tensors of the target** (:func:`decode_entry`): base64, then
-  :func:`~lifecycle.http._transport.decode_modules` (a payload keyed by module, or a bare one
+  :func:`~lifecycle.payload.decode_modules` (a payload keyed by module, or a bare one
   for one target), then the checks every rank makes before the update (no empty update, names
   relative to the module).
 * **Whose failure a failed update is** (:func:`trainer_failed`): a distributed update rolled
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import LifecycleController, UpdateResult
-from ._transport import (
+from ..payload import (
     FD_TIMEOUT,
     PayloadModulesMismatch,
     TransportError,
