@@ -53,7 +53,6 @@ from strategies import ResidencyError
 from .._weight_sync import WeightSyncTransferFailed
 from ..payload import TransportError, decode_base64, decode_modules
 from ._app import _body, _refused, _Service, _service, _update_response
-from ._driver import RanksUnavailable
 from ._wire import WireRefused
 
 __all__ = ["TRANSFER_ROUTES", "WeightTransfer"]
@@ -165,11 +164,8 @@ async def init_weight_transfer_engine(request: Request) -> Response:
         "backend": info.get("backend") or ("nccl" if service.ctl.device.type == "cuda"
                                            else "gloo"),
         "timeout": float(info.get("timeout", 60.0))}
-    try:
-        await service.driver.destroy_weights_update_group(GROUP)
-        result = await service.driver.init_weights_update_group(args)
-    except (WireRefused, RanksUnavailable) as exc:
-        raise _refused(str(exc)) from None
+    await service.driver.destroy_weights_update_group(GROUP)
+    result = await service.driver.init_weights_update_group(args)
     if not result.success:
         raise _refused(result.message)
     transfer.backend = "nccl"
@@ -237,11 +233,7 @@ async def update_weights(request: Request) -> Response:
     if not isinstance(info, dict):
         raise _refused(f"update_info must be an object, got {type(info).__name__}")
     if transfer.backend == "ipc":
-        try:
-            modules = await anyio.to_thread.run_sync(functools.partial(
-                _decoded_ipc, service, info))
-        except WireRefused as exc:
-            raise _refused(str(exc)) from None
+        modules = await anyio.to_thread.run_sync(functools.partial(_decoded_ipc, service, info))
         for module, named in modules.items():
             transfer.staged.setdefault(module, []).extend(named)
         return JSONResponse({"message": "Weights updated", "staged": {
