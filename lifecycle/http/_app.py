@@ -9,7 +9,10 @@ when a call waited too long for a transition, 507 when a move would pass the hos
 (refused before allocating). 500 is kept for a move that failed and was rolled back (the
 body says so) and for a bug; an update over a trainer's process group that was rolled back
 because the trainer's broadcast failed (it died or stalled) is the client's failure: 400, as
-the reference answers failed updates. Nothing changes on any refusal.
+the reference answers failed updates (the update's ``causes`` say so, not its message).
+Nothing changes on any refusal. A library error a route lets through is answered by one
+handler from one table of error type to status (``lifecycle.http._status``); routes raise,
+they do not choose statuses for library errors.
 
 Bodies are bounded in memory as well as size: an upload's base64 strings are not parsed as
 JSON but left in the body's buffer and decoded there (see :func:`_parse`), and everything slow
