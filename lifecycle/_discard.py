@@ -13,7 +13,7 @@ again whatever ``discard`` says (garbage is never copied to the host).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 Progress = Callable[[int], None]
 
 __all__ = ["Discard", "prepare_sleep", "prepare_wake", "refuse_stale", "resolve_discard",
-           "stale_counts", "still_stale", "with_stale"]
+           "stale_counts", "stale_note", "stale_tensors", "with_stale"]
 
 #: What ``discard`` may be: nothing (``None``, ``False``), every component (``True``,
 #: ``"all"``), or the names of some (a sequence, or one string of comma-separated names).
@@ -107,11 +107,16 @@ def _backed(c: AttachedComponent) -> bool:
     return backing is not None and backing.asleep
 
 
-def still_stale(components: Iterable[AttachedComponent]) -> str:
-    """What an update's message adds while some of ``components`` are stale: each one's
-    stale tensors, how many and a few names ("" when none is)."""
-    few = {c.name: (c.strategy.store.stale_count, c.strategy.store.stale_names()[:3])
-           for c in components if c.strategy.store.stale_count}
+def stale_tensors(components: Iterable[AttachedComponent]) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """``{name: (stale tensors, the first three of their names)}`` of the stale ones among
+    ``components`` (what an update's answer names)."""
+    return {c.name: (c.strategy.store.stale_count, tuple(c.strategy.store.stale_names()[:3]))
+            for c in components if c.strategy.store.stale_count}
+
+
+def stale_note(few: Mapping[str, tuple[int, Sequence[str]]]) -> str:
+    """What an update's message adds while some components are stale (:func:`stale_tensors`):
+    each one's stale tensors, how many and a few names ("" when none is)."""
     return "" if not few else "; still stale (not served until updated): " + ", ".join(
         f"{n} ({k} tensor(s): {', '.join(names)}...)" for n, (k, names) in few.items())
 
@@ -126,8 +131,11 @@ def refuse_stale(components: Iterable[AttachedComponent]) -> None:
 
 def with_stale(result: UpdateResult, components: Collection[AttachedComponent]) -> UpdateResult:
     """An update's ``result`` naming the components still stale: ``stale`` (how many tensors
-    each) and, for a success, their tensors in the message (:func:`still_stale`)."""
+    each) and ``stale_tensors`` (a few names), and, for a success, those in the message
+    (:func:`stale_note`)."""
     stale = stale_counts(components)
+    few = stale_tensors(components)
     if stale and result.success:
-        result = dataclasses.replace(result, message=result.message + still_stale(components))
-    return dataclasses.replace(result, stale=MappingProxyType(stale))
+        result = dataclasses.replace(result, message=result.message + stale_note(few))
+    return dataclasses.replace(result, stale=MappingProxyType(stale),
+                               stale_tensors=MappingProxyType(few))

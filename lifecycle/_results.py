@@ -71,6 +71,14 @@ class UpdateResult:
     weight_version: str | None = None
     # Components still stale after the call (discarded tensors no update wrote yet): count.
     stale: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # The same components (and any asleep file-backed one that is stale) with the first
+    # three names of their stale tensors: what a success's message names.
+    stale_tensors: Mapping[str, tuple[int, tuple[str, ...]]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    # A rolled-back update: the class name of each error it was rolled back for (this
+    # rank's and, several ranks, every failed rank's), sorted; e.g. WeightSyncTransferFailed
+    # (the trainer's broadcast failed), LoraMergeNotFinite (what the client sent).
+    causes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {"success": self.success, "message": self.message, "version": self.version,
@@ -78,7 +86,10 @@ class UpdateResult:
                 "seconds": self.seconds, "rolled_back": self.rolled_back,
                 "failed_ranks": {str(r): why for r, why in self.failed_ranks.items()},
                 "rank": self.rank, "world_size": self.world_size,
-                "weight_version": self.weight_version, "stale": dict(self.stale)}
+                "weight_version": self.weight_version, "stale": dict(self.stale),
+                "stale_tensors": {n: [k, list(names)]
+                                  for n, (k, names) in self.stale_tensors.items()},
+                "causes": list(self.causes)}
 
 
 @dataclass(frozen=True)

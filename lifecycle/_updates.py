@@ -110,13 +110,25 @@ class UpdatePlan:
         """The answer when the writes failed and were rolled back (``version`` unchanged)."""
         return UpdateResult(False, f"update failed and was rolled back; weights are unchanged: "
                             f"{type(failed.cause).__name__}: {failed.cause}", version,
-                            rolled_back=True, failed_ranks=failed.failed_ranks)
+                            rolled_back=True, failed_ranks=failed.failed_ranks,
+                            causes=_causes(failed))
 
     def close(self) -> None:
         for h in self.handles:
             h.__exit__(None, None, None)
         self.handles.clear()
         self.captured.clear()  # kept by the commit that registered them, if any
+
+
+def _causes(failed: TransitionFailed) -> tuple[str, ...]:
+    """The class names of the errors an update was rolled back for: this rank's cause, and
+    every failed rank's. A rank's vote (lifecycle._collective.Section.vote) carries its error as
+    ``"ClassName: message"``: the class name is read from there, the one place the ranks'
+    causes are only text (a rank that did not fail itself holds a RuntimeError naming the
+    ranks that did)."""
+    names = {type(failed.cause).__name__}
+    names.update(why.partition(":")[0] for why in failed.failed_ranks.values())
+    return tuple(sorted(names))
 
 
 def _shape(shape: Iterable[int]) -> str:

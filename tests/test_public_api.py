@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -213,3 +214,25 @@ def test_the_lifecycle_core_imports_neither_the_service_nor_the_command() -> Non
     for path in (root / "http").rglob("*.py"):
         bad = [(n, m) for n, m in _imports(path) if _within(m, "lifecycle.cli")]
         assert not bad, f"{path}: {bad}"
+
+
+def test_payload_imports_only_torch_and_the_standard_library() -> None:
+    """lifecycle.payload (the decoding of uploads, a security boundary audited on its own)
+    imports torch, the standard library and its own modules: not the rest of lifecycle, not
+    strategies, not the HTTP service's libraries; and lifecycle.http reaches it only through
+    the package (its ``__all__``), never a private module of it."""
+    root = Path(lifecycle.__file__).parent
+    for path in (root / "payload").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        relative = [(node.lineno, node.level, node.module) for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.level > 0
+                    and (node.level > 1 or not (node.module or "").startswith("_"))]
+        assert not relative, f"{path}: {relative}"
+        bad = [(n, m) for n, m in _imports(path) if m.split(".")[0] != "torch"
+               and m.split(".")[0] not in sys.stdlib_module_names]
+        assert not bad, f"{path}: {bad}"
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        private = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and (node.module or "").startswith(("payload._", "lifecycle.payload._"))]
+        assert path.parent.name == "payload" or not private, f"{path}: {private}"

@@ -9,7 +9,10 @@ when a call waited too long for a transition, 507 when a move would pass the hos
 (refused before allocating). 500 is kept for a move that failed and was rolled back (the
 body says so) and for a bug; an update over a trainer's process group that was rolled back
 because the trainer's broadcast failed (it died or stalled) is the client's failure: 400, as
-the reference answers failed updates. Nothing changes on any refusal.
+the reference answers failed updates (the update's ``causes`` say so, not its message).
+Nothing changes on any refusal. A library error a route lets through is answered by one
+handler from one table of error type to status (``lifecycle.http._status``); routes raise,
+they do not choose statuses for library errors.
 
 Bodies are bounded in memory as well as size: an upload's base64 strings are not parsed as
 JSON but left in the body's buffer and decoded there (see :func:`_parse`), and everything slow
@@ -49,30 +52,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .. import (
-    AdmissionTimeout,
-    ComponentAsleep,
-    DrainTimeout,
-    GroupBroken,
-    HostBudgetExceeded,
-    LifecycleController,
-    LifecycleError,
-    OccupationResult,
-    Phase,
-    TransitionFailed,
-    TransitionRejected,
-    UpdateResult,
-    WeightsDiscarded,
-)
-from .._discard import Discard
-from .._errors import InvalidRequest
+from .. import LifecycleController, OccupationResult, Phase, UpdateResult
+from .._discard import Discard, stale_note
 from .._weight_sync import DEFAULT_TIMEOUT
 from ..metrics import ControllerMetrics
-from ._driver import Driver, Generate, LocalDriver, RanksUnavailable, Upload
-from ._generations import GenerationAborted, GenerationRefused, Generations
-from ._ranks import OutputsDisagree
-from ._transport import FD_TIMEOUT, TransportError, check_load_format
-from ._wire import TensorRequest, WireRefused, client_fault, trainer_failed
+from ..payload import FD_TIMEOUT, check_load_format
+from ._driver import Driver, Generate, LocalDriver, Upload
+from ._generations import Generations
+from ._status import STATUS, answer_of
+from ._wire import TensorRequest, client_fault, trainer_failed
 
 __all__ = ["ROUTES", "Generate", "create_app", "demo_generate"]
 
@@ -334,23 +322,9 @@ async def _transition(request: Request,
     see lifecycle.http._control.components_of), which must be valid JSON."""
     service = _service(request)
     body = await _body(request, service.body_limit)
-    sleeping = service.ctl.phase is Phase.SLEEPING
-    try:
-        return _occupation(await call(body))
-    except DrainTimeout as exc:
-        raise _refused(str(exc), 409, sleeping=sleeping) from None
-    except TransitionRejected as exc:
-        raise _refused(exc.reason, sleeping=sleeping) from None
-    except InvalidRequest as exc:
-        raise _refused(str(exc), sleeping=sleeping) from None
-    except GroupBroken as exc:
-        raise _refused(str(exc), 503, sleeping=service.ctl.phase is Phase.SLEEPING) from None
-    except RanksUnavailable as exc:
-        raise _refused(str(exc), 503, sleeping=sleeping) from None
-    except TransitionFailed as exc:
-        raise _refused(str(exc), 500, sleeping=service.ctl.phase is Phase.SLEEPING,
-                       rolled_back=True,
-                       failed_ranks={str(r): w for r, w in exc.failed_ranks.items()}) from None
+    # A refusal says whether the pipeline sleeps (see _library_error).
+    request.state.answer_extra = lambda: {"sleeping": service.ctl.phase is Phase.SLEEPING}
+    return _occupation(await call(body))
 
 
 # How many unknown names a refused ``discard`` shows, and how much of each.
@@ -398,10 +372,6 @@ async def resume(request: Request) -> Response:
         _control.components_of(service, body.get("tags"))))
 
 
-# Where the controller's update message says which components are still stale.
-_STILL_STALE = "; still stale"
-
-
 def _update_response(result: UpdateResult, *, trainer: bool = False) -> Response:
     """An update's answer: 200, or 400 for a refusal. A rollback is a 500 (our failure),
     except, with ``trainer``, one caused by the trainer's broadcast (it died or stalled: the
@@ -411,13 +381,12 @@ def _update_response(result: UpdateResult, *, trainer: bool = False) -> Response
     stale = dict(result.stale)
     if result.success:
         names = ", ".join(result.updated)
-        _, found, rest = result.message.partition(_STILL_STALE)
-        if stale and not found:  # the counts at least
-            found, rest = _STILL_STALE, ": " + ", ".join(
-                f"{n} ({k} tensor(s))" for n, k in stale.items())
+        # The stale components' tensors (a few names), else their counts at least.
+        note = stale_note(result.stale_tensors) if result.stale_tensors else \
+            "; still stale: " + ", ".join(f"{n} ({k} tensor(s))" for n, k in stale.items())
         return JSONResponse({"success": True, "version": result.version,
                              "message": f"Updated {len(result.updated)} modules ({names})."
-                                        + (found + rest if stale else ""),
+                                        + (note if stale else ""),
                              "bytes_written": result.bytes_written, "seconds": result.seconds,
                              "weight_version": result.weight_version, "stale": stale})
     ours = result.rolled_back and not (trainer and trainer_failed(result)) \
@@ -430,16 +399,7 @@ def _update_response(result: UpdateResult, *, trainer: bool = False) -> Response
 
 async def _update(service: _Service, call: Callable[[], Awaitable[UpdateResult]], *,
                   trainer: bool = False) -> Response:
-    try:
-        return _update_response(await call(), trainer=trainer)
-    except DrainTimeout as exc:
-        raise _refused(str(exc), 409) from None
-    except TransitionRejected as exc:  # while sleeping
-        raise _refused(exc.reason) from None
-    except WireRefused as exc:
-        raise _refused(str(exc)) from None
-    except (GroupBroken, RanksUnavailable) as exc:
-        raise _refused(str(exc), 503) from None
+    return _update_response(await call(), trainer=trainer)
 
 
 #: weight_update_mode values served: a full replacement (absent or "full"), or a LoRA merge
@@ -545,10 +505,7 @@ def _tensor_request(body: Mapping[str, Any]) -> TensorRequest:
     load_format = _field(body, "load_format", "string")
     if load_format == "auto":  # the LLM server's default: sniffed here
         load_format = None
-    try:
-        check_load_format(load_format)
-    except TransportError as exc:
-        raise _refused(str(exc)) from None
+    check_load_format(load_format)
     return TensorRequest(
         targets=tuple(targets), load_format=load_format, weight_update_mode=_update_mode(body),
         lora_alpha=_field(body, "lora_alpha", "number"),
@@ -595,10 +552,7 @@ async def tensor_checker(request: Request) -> Response:
         _text("expected_named_tensors_sha256", name)
         if isinstance(digest, str):
             _text(f"expected_named_tensors_sha256[{name[:100]!r}]", digest)
-    try:
-        result = await service.driver.check_tensor_hashes(target, expected)
-    except RanksUnavailable as exc:
-        raise _refused(str(exc), 503) from None
+    result = await service.driver.check_tensor_hashes(target, expected)
     return JSONResponse(result.as_dict(), status_code=200 if result.success else 400)
 
 
@@ -641,12 +595,7 @@ def _group_service(request: Request) -> _Service:
 
 
 async def _group_result(call: Callable[[], Awaitable[Any]]) -> Response:
-    try:
-        result = await call()
-    except WireRefused as exc:
-        raise _refused(str(exc)) from None
-    except RanksUnavailable as exc:
-        raise _refused(str(exc), 503) from None
+    result = await call()
     return JSONResponse(result.as_dict(), status_code=200 if result.success else 400)
 
 
@@ -713,10 +662,7 @@ async def checksum(request: Request) -> Response:
     body = await _body(request, service.body_limit)
     names = _field(body, "module_names", "list of strings")
     wanted = list(service.ctl.components) if names is None else names
-    try:
-        sums = await service.driver.checksum(wanted)
-    except (GroupBroken, RanksUnavailable) as exc:
-        raise _refused(str(exc), 503) from None
+    sums = await service.driver.checksum(wanted)
     # A stale component (discarded by a release, not all updated since): "discarded".
     return JSONResponse({n: sums.get(n, "not_found") for n in wanted})
 
@@ -727,26 +673,8 @@ async def generate(request: Request) -> Response:
     if not service.driver.can_generate:
         raise _refused("this pipeline has no generate function (see residency serve "
                        "--pipeline MODULE:FACTORY)", 404)
-    try:
-        async with service.generations.running(body.get("rid")) as rid:
-            return JSONResponse({**await service.driver.generate(body), "rid": rid})
-    except GenerationAborted as exc:  # the client learns why, and that nothing came back
-        raise _refused(str(exc), 503, rid=exc.rid,
-                       finish_reason={"type": "abort", "message": exc.why}) from None
-    except GenerationRefused as exc:
-        raise _refused(str(exc), exc.status) from None
-    except ComponentAsleep as exc:
-        raise _refused(str(exc)) from None
-    except WeightsDiscarded as exc:  # stale since a discarding release: update weights first
-        raise _refused(str(exc), stale=exc.components) from None
-    except AdmissionTimeout as exc:
-        raise _refused(str(exc), 503) from None
-    except TransitionRejected as exc:  # not initialized
-        raise _refused(exc.reason, 503) from None
-    except RanksUnavailable as exc:
-        raise _refused(str(exc), 503) from None
-    except OutputsDisagree as exc:
-        raise _refused(str(exc), 500) from None
+    async with service.generations.running(body.get("rid")) as rid:
+        return JSONResponse({**await service.driver.generate(body), "rid": rid})
 
 
 async def health(request: Request) -> Response:
@@ -765,10 +693,7 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def state(request: Request) -> Response:
-    try:
-        return JSONResponse(await _service(request).driver.state())
-    except RanksUnavailable as exc:
-        raise _refused(str(exc), 503) from None
+    return JSONResponse(await _service(request).driver.state())
 
 
 async def metrics(request: Request) -> Response:
@@ -816,15 +741,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _library_error(request: Request, exc: Exception) -> Response:
-    # A library error no handler expected: a refusal, not a crash.
-    return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
-
-
-async def _host_budget(request: Request, exc: Exception) -> Response:
-    # Refused before allocating, nothing changed: 507 (insufficient storage), with the numbers.
-    assert isinstance(exc, HostBudgetExceeded)
-    return JSONResponse({"success": False, "message": str(exc), "needed_bytes": exc.needed,
-                         "held_bytes": exc.held, "host_budget": exc.budget}, status_code=507)
+    """Every library error a route lets through: its status from the one table
+    (lifecycle.http._status), with the fields the route adds (``request.state.answer_extra``)."""
+    extra = getattr(request.state, "answer_extra", None)
+    answer = answer_of(exc, request.url.path, **(extra() if extra is not None else {}))
+    assert answer is not None  # registered for the table's classes only
+    status, body = answer
+    return JSONResponse(body, status_code=status)
 
 
 async def _gone(request: Request, exc: Exception) -> Response:
@@ -970,10 +893,9 @@ def create_app(ctl: LifecycleController, *, generate: Generate | None = None,
     app = Starlette(
         routes=[Route(path, handler, methods=list(methods))
                 for path, (handler, methods, _) in ROUTES.items()],
-        exception_handlers={BadRequest: _bad_request, HTTPException: _http_error,
-                            LifecycleError: _library_error, ClientDisconnect: _gone,
-                            HostBudgetExceeded: _host_budget,
-                            Exception: _internal_error},
+        exception_handlers={**dict.fromkeys(STATUS, _library_error),
+                            BadRequest: _bad_request, HTTPException: _http_error,
+                            ClientDisconnect: _gone, Exception: _internal_error},
         lifespan=lifespan)
     app.state.service = service
     return _Gatekeeper(app, service, api_key, body_timeout)

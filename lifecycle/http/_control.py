@@ -24,12 +24,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .. import WeightsDiscarded
-from .._errors import InvalidRequest
 from .._select import resolve_tags
 from ._app import _body, _field, _refused, _Service, _service, _transition
-from ._driver import RanksUnavailable
-from ._generations import ABORT_MODES, GenerationRefused
+from ._generations import ABORT_MODES
 
 __all__ = ["CONTROL_ROUTES"]
 
@@ -42,10 +39,7 @@ def components_of(service: _Service, tags: Any) -> list[str] | None:
     400 naming what is valid."""
     if tags is None:
         return None
-    try:
-        names = resolve_tags(tags, list(service.ctl.components))
-    except InvalidRequest as exc:
-        raise _refused(str(exc)) from None
+    names = resolve_tags(tags, list(service.ctl.components))
     everyone = set(service.ctl.components)
     return None if names == everyone else sorted(names)
 
@@ -91,10 +85,7 @@ async def is_sleeping(request: Request) -> Response:
 
 # -- generation control -----------------------------------------------------------------------
 async def _pause(service: _Service, mode: str) -> int:
-    try:
-        return await service.generations.pause(mode)
-    except GenerationRefused as exc:
-        raise _refused(str(exc), exc.status) from None
+    return await service.generations.pause(mode)
 
 
 async def pause_generation(request: Request) -> Response:
@@ -190,10 +181,7 @@ async def update_weight_version(request: Request) -> Response:
         raise _refused("pipeline not initialized", 503)
     if _field(body, "abort_all_requests", "boolean", default=True):
         service.generations.abort(None, f"the weight version changed to {version[:80]!r}")
-    try:
-        await service.driver.set_weight_version(version)
-    except RanksUnavailable as exc:
-        raise _refused(str(exc), 503) from None
+    await service.driver.set_weight_version(version)
     return JSONResponse({"success": True, "message": f"Weight version updated to {version}",
                          "new_version": version})
 
@@ -211,10 +199,7 @@ async def weights_checker(request: Request) -> Response:
     if action not in _CHECKER_ACTIONS:
         raise _refused(f"Unsupported action={str(action)[:40]!r}; expected one of "
                        f"{list(_CHECKER_ACTIONS)}")
-    try:
-        success, message = await service.driver.weights_checker(action)
-    except RanksUnavailable as exc:
-        raise _refused(str(exc), 503) from None
+    success, message = await service.driver.weights_checker(action)
     return JSONResponse({"success": success, "message": message},
                         status_code=200 if success else 400)
 
@@ -238,17 +223,11 @@ async def weight_checker(request: Request) -> Response:
         message = "action='compare' requires a 'baseline' object"
         raise _refused(message, detail=message)
     if action == "reset":
-        try:
-            success, message = await service.driver.weights_checker("reset_tensors")
-        except RanksUnavailable as exc:
-            raise _refused(str(exc), 503) from None
+        success, message = await service.driver.weights_checker("reset_tensors")
         if not success:
             raise _refused(message)
         return JSONResponse({"status": "reset"})
-    try:
-        hashes = await ctl.tensor_hashes()
-    except WeightsDiscarded as exc:
-        raise _refused(str(exc)) from None
+    hashes = await ctl.tensor_hashes()
     checksums = {f"{c}.{n}": h for c, named in hashes.items() for n, h in named.items()}
     if action == "checksum":
         return JSONResponse({"checksums": checksums})

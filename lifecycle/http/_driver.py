@@ -27,7 +27,7 @@ from .. import (
 )
 from .._discard import Discard
 from ._checker import WeightsChecker
-from ._transport import FD_TIMEOUT, TransportError, decode_base64, decode_modules
+from ..payload import FD_TIMEOUT, TransportError, decode_base64, decode_modules
 from ._wire import Decoded, TensorRequest, WireRefused, decode_entry, device_uuid, pick_entry
 
 __all__ = ["DISCARDED", "Driver", "Generate", "LocalDriver", "RanksUnavailable", "Staging",

@@ -143,11 +143,8 @@ async def init_weight_transfer_engine(request: Request) -> Response:
         "backend": info.get("backend") or ("nccl" if service.ctl.device.type == "cuda"
                                            else "gloo"),
         "timeout": float(info.get("timeout", 60.0))}
-    try:
-        await service.driver.destroy_weights_update_group(GROUP)
-        result = await service.driver.init_weights_update_group(args)
-    except (WireRefused, RanksUnavailable) as exc:
-        raise _refused(str(exc)) from None
+    await service.driver.destroy_weights_update_group(GROUP)
+    result = await service.driver.init_weights_update_group(args)
     if not result.success:
         raise _refused(result.message)
     transfer.backend = "nccl"
@@ -188,10 +185,7 @@ async def update_weights(request: Request) -> Response:
         raise _refused(f"update_info must be an object, got {type(info).__name__}")
     serial = transfer.serial
     if transfer.backend == "ipc":  # every rank decodes it (a rank that cannot: all refuse)
-        try:
-            staged = await service.driver.stage_ipc(serial, info)
-        except (WireRefused, RanksUnavailable) as exc:
-            raise _refused(str(exc)) from None
+        staged = await service.driver.stage_ipc(serial, info)
     else:
         staged = await _receive(service, transfer, info)
     if staged is None or transfer.serial != serial or not transfer.active:

@@ -10,7 +10,7 @@
   reference's rule: without ``payload_gpu_uuids``, the only entry, or entry ``rank`` of
   ``world_size`` entries; with them (one per entry), the entry whose UUID is the rank's own.
 * **An entry becomes the named tensors of the target** (:func:`decode_entry`): base64, then
-  :func:`~lifecycle.http._transport.decode_modules` (a payload keyed by module, or a bare one
+  :func:`~lifecycle.payload.decode_modules` (a payload keyed by module, or a bare one
   for one target), then the checks every rank makes before the update (no empty update, names
   relative to the module).
 * **Whose failure a failed update is** (:func:`trainer_failed`): a distributed update rolled
@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from .. import LifecycleController, UpdateResult
-from ._transport import (
+from .._lora import LoraMergeNotFinite
+from .._weight_sync import WeightSyncTransferFailed
+from ..payload import (
     FD_TIMEOUT,
     PayloadModulesMismatch,
     TransportError,
@@ -195,12 +197,10 @@ def group_refusal(ctl: LifecycleController, group_name: str) -> str | None:
 def trainer_failed(result: UpdateResult) -> bool:
     """A distributed update that was rolled back because the trainer's broadcast failed (the
     trainer died, stalled or left the group): the client's failure, not the server's."""
-    reasons = [result.message, *result.failed_ranks.values()]
-    return result.rolled_back and any("WeightSyncTransferFailed" in r for r in reasons)
+    return result.rolled_back and WeightSyncTransferFailed.__name__ in result.causes
 
 
 def client_fault(result: UpdateResult) -> bool:
     """An update rolled back for what the client sent (a LoRA merge whose result is not
     finite), on any route: 400, not the server's 500."""
-    reasons = [result.message, *result.failed_ranks.values()]
-    return result.rolled_back and any("LoraMergeNotFinite" in r for r in reasons)
+    return result.rolled_back and LoraMergeNotFinite.__name__ in result.causes

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from lifecycle import LifecycleController
 from lifecycle.demo import DemoPipeline
 from lifecycle.http import create_app, demo_generate
-from lifecycle.http._transport import ALLOWED_GLOBALS, LOAD_FORMATS, TransportError, decode_named_tensors
+from lifecycle.payload import ALLOWED_GLOBALS, LOAD_FORMATS, TransportError, decode_named_tensors
 from tests.http.attacks import (
     BIAS,
     BIAS_SHAPE,

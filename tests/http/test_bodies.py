@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lifecycle.http._app import _SPAN_MIN, BadRequest, _parse, _Span
-from lifecycle.http._transport import TransportError, decode_base64
+from lifecycle.payload import TransportError, decode_base64
 
 _short = st.text(max_size=12)
 # At least _SPAN_MIN characters: a short random unit repeated (drawing 4096 characters one by

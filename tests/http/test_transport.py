@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.multiprocessing import reductions
 
-from lifecycle.http._transport import LOAD_FORMATS, TransportError, decode_named_tensors
+from lifecycle.payload import LOAD_FORMATS, TransportError, decode_named_tensors
 
 pytestmark = pytest.mark.service
 

@@ -87,6 +87,8 @@ async def test_the_rl_loop_with_a_discarding_release_serves_exactly_after_the_fu
     partial = await ctl.update_weights_from_tensors(half, "transformer")
     assert partial.success and partial.stale == {"transformer": len(state) - len(half)}
     assert "still stale" in partial.message
+    left = sorted(set(state) - set(half))
+    assert partial.stale_tensors == {"transformer": (len(left), tuple(left[:3]))}
     with pytest.raises(WeightsDiscarded):
         await pipe.generate(ctl=ctl, steps=2)
     full = await ctl.update_weights_from_tensors(state, "transformer")

@@ -11,7 +11,14 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lifecycle import LifecycleController, Phase, UpdateResult, WeightUpdateWhileSleeping
+from lifecycle import (
+    LifecycleController,
+    Phase,
+    TransitionFailed,
+    UpdateResult,
+    WeightUpdateWhileSleeping,
+)
+from lifecycle._updates import UpdatePlan
 from tests.helpers import faulty_device, fingerprints, layer, run_pipeline, small_pipeline, tensor_ids
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -464,3 +471,16 @@ async def test_fault_at_every_point_of_an_update_whose_mirrors_are_current() -> 
             assert slept.bytes_moved > 0
         outcomes.add(result.success)
     assert outcomes == {True, False}
+
+
+def test_a_rolled_back_update_names_every_ranks_cause_as_a_field() -> None:
+    """An update rolled back names the class of its cause and of every failed rank's (several
+    ranks: a rank that did not fail itself holds a RuntimeError naming the others), so that a
+    server tells the trainer's failure from its own without reading the message."""
+    alone = UpdatePlan.undone(TransitionFailed("update", Phase.AWAKE, MemoryError("oom")), 4)
+    assert (alone.rolled_back, alone.causes, alone.version) == (True, ("MemoryError",), 4)
+    failures = {1: "WeightSyncTransferFailed: the trainer left", 2: "ValueError: bad"}
+    others = UpdatePlan.undone(TransitionFailed(
+        "update", Phase.AWAKE, RuntimeError("rank 1: ...; rank 2: ..."), failures), 4)
+    assert others.causes == ("RuntimeError", "ValueError", "WeightSyncTransferFailed")
+    assert others.as_dict()["causes"] == list(others.causes)

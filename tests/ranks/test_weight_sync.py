@@ -165,6 +165,7 @@ async def test_a_trainer_killed_mid_broadcast_fails_the_update_and_breaks_the_gr
         assert result.weight_version is None
         assert "WeightSyncTransferFailed: the trainer's broadcast of tensor 3/4 '2.weight'" \
             in result.message
+        assert result.causes == ("WeightSyncTransferFailed",)
         assert ctl.weights_checksum(algorithm="full") == sums
         broken = ctl.weight_update_groups[GROUP].broken
         assert broken is not None and "tensor 3/4 '2.weight'" in broken
