@@ -26,8 +26,8 @@ from .. import (
     WeightUpdateGroupResult,
 )
 from .._discard import Discard
-from ._checker import WeightsChecker
 from ..payload import FD_TIMEOUT, TransportError, decode_base64, decode_modules
+from ._checker import WeightsChecker
 from ._wire import Decoded, TensorRequest, WireRefused, decode_entry, device_uuid, pick_entry
 
 __all__ = ["DISCARDED", "Driver", "Generate", "LocalDriver", "RanksUnavailable", "Staging",
