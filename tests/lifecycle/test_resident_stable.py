@@ -48,8 +48,8 @@ def addresses(module: nn.Module) -> dict[str, tuple[int, int]]:
 
 def driver(layer: Any, fail_at: int | None = None) -> SimVmm:
     """A simulated driver for ``layer`` (the simulated GPU's when it has one)."""
-    layer.vmm = SimVmm(runtime=getattr(layer, "runtime", None), fail_at=fail_at)
-    return layer.vmm
+    sim = layer.vmm = SimVmm(runtime=getattr(layer, "runtime", None), fail_at=fail_at)
+    return sim
 
 
 def arena_of(ctl: LifecycleController) -> Any:
@@ -81,7 +81,7 @@ async def test_a_captured_forward_replays_bit_exact_over_100_sleeps_wakes_and_up
             assert addresses(tr) == before  # same tensors at the same addresses
             assert torch.equal(graph.replay(), eager(tr, args))
         assert arena_of(ctl).maps == 101
-        assert torch.equal(tr.x_proj.weight, state[name])
+        assert torch.equal(dict(tr.named_parameters())[name], state[name])
 
 
 async def test_the_report_counts_the_mapped_arena_and_nothing_while_asleep() -> None:

@@ -108,6 +108,9 @@ class Mixed(nn.Module):
         self.register_buffer("table", torch.randn(4, 16, generator=g).to(torch.float8_e4m3fn))
         self.register_buffer("counts", torch.arange(16, dtype=torch.int64))
         self.register_buffer("first", self.counts[:4])  # a view of another buffer
+        self.counts: torch.Tensor
+        self.first: torch.Tensor
+        self.table: torch.Tensor
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
@@ -119,13 +122,14 @@ class Mixed(nn.Module):
 
 async def test_every_dtype_tied_and_aliased_tensors_keep_their_addresses_across_sleep_and_wake(
         ) -> None:
-    model = Mixed()
+    model: Any = Mixed()
     ids = torch.arange(6).reshape(1, 6)
     with torch.no_grad():
         expected = model(ids)
     async with LifecycleController(residency={"mixed": "resident-stable"}) as ctl:
         await ctl.attach({"mixed": model})
         arena = ctl._components["mixed"].strategy.store.arena
+        assert arena is not None
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         placed = {n: (t.dtype, t.data_ptr()) for n, t in tensors.items()}
         assert all(arena.holds(t) for t in tensors.values())
