@@ -307,7 +307,7 @@ class Components(Mapping[str, AttachedComponent]):
         """The device layer's stream and graph-capture check, for a component whose weights
         move around its forwards: a resident one's stay put while awake (a transition
         synchronizes the device before moving them), so it may run on any stream, captured."""
-        if c.strategy.mode is not ResidencyMode.RESIDENT:
+        if c.strategy.mode not in (ResidencyMode.RESIDENT, ResidencyMode.RESIDENT_STABLE):
             self._layer.check_compute()
 
     def release(self) -> None:
@@ -328,6 +328,11 @@ class Components(Mapping[str, AttachedComponent]):
         for name, c in self._by_name.items():
             shape = Shape.wanted(name, c.module, config)
             if shape != Shape.of(c.strategy):
+                if ResidencyMode.RESIDENT_STABLE in (shape.mode, c.strategy.mode):
+                    raise ComponentResidencyError(
+                        f"Component {name!r}: a change to or from resident-stable is not made "
+                        f"while attached (its arena is laid out at attach); it stays "
+                        f"{c.strategy.mode.value}: detach and attach it again in the new mode")
                 if c.fsdp:
                     raise ComponentResidencyError(
                         f"Component {name!r} is FSDP-managed: FSDP owns its placement, so its "
@@ -516,6 +521,8 @@ async def prepare_placement(components: Iterable[AttachedComponent], moves: list
     for c in components:
         store = c.strategy.store
         wanted = c.strategy.awake_units()
+        if store.arena is not None:  # resident-stable: its tensors re-homed into its arena
+            moves.append(await store.prepare_rehome())
         moves.append(await store.prepare_to_device([u for u in wanted if u.where == "host"]))
         moves.append(await store.prepare_to_host(
             [u for u in store.select("device") if u not in wanted]))

@@ -40,6 +40,9 @@ class ResidencyMode(enum.Enum):
     """Where a component's weights live between uses."""
 
     RESIDENT = "resident"
+    #: Resident, in a virtual-memory arena whose addresses survive sleep and wake (CUDA graphs
+    #: captured on it replay after a wake): :mod:`strategies._vmm`.
+    RESIDENT_STABLE = "resident-stable"
     COMPONENT_OFFLOAD = "component-offload"
     SNAPSHOT_OFFLOAD = "snapshot-offload"
     LAYERWISE_OFFLOAD = "layerwise-offload"

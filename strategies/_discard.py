@@ -138,6 +138,7 @@ class DiscardMove(_WholeStoreMove):
         self.store.count_stale()
         self.store.discarded = d
         self.store.refresh_derived(d.units)
+        self.store.settle_arena()
 
     def _undo(self) -> None:
         self.discarded.buffer = None
@@ -208,6 +209,7 @@ class UndiscardMove(_WholeStoreMove):
         self.store.add_pending(-self._pending)
         self._pending = 0
         self.placements.clear()
+        self.store.settle_arena()
 
 
 async def prepare_undiscard(store: TensorStore, awake: list[Unit],
@@ -228,7 +230,8 @@ async def prepare_undiscard(store: TensorStore, awake: list[Unit],
             move.bytes_copied += move.normal.bytes_copied
         for unit in d.units:
             tier: Tier = "device" if id(unit) in on_device else "host"
-            buf = await _alloc(store, unit.nbytes, tier)
+            buf = store.device_buffer(unit) if tier == "device" else \
+                await _alloc(store, unit.nbytes, tier)
             store.layer.label(buf, store.name, unit.key)
             move.placements.append((unit, tier, buf))
             if tier == "device":

@@ -21,11 +21,13 @@ from ._layerwise import (
 )
 from ._layerwise import _nbytes as layer_nbytes
 from ._offload import ComponentOffloadStrategy, SnapshotOffloadStrategy
-from ._resident import ResidentStrategy
+from ._resident import ResidentStableStrategy, ResidentStrategy
 from ._store import TensorStore
 from .devices import DeviceLayer, make_device_layer
 
 __all__ = ["ComponentResidencyError", "Shape", "build_strategy", "is_fsdp_managed"]
+
+_RESIDENT = (ResidencyMode.RESIDENT, ResidencyMode.RESIDENT_STABLE)  # one unit per storage
 
 
 class ComponentResidencyError(ResidencyError, ValueError):
@@ -66,13 +68,13 @@ def build_strategy(name: str, module: nn.Module, config: ResidencyConfig,
         raise ComponentResidencyError(
             f"Component {name!r} resolved to layerwise-offload, but its loaded module did not "
             "enable layerwise offload")
-    if mode in (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD) \
-            and is_fsdp_managed(module):
+    if mode in (ResidencyMode.COMPONENT_OFFLOAD, ResidencyMode.SNAPSHOT_OFFLOAD,
+                ResidencyMode.RESIDENT_STABLE) and is_fsdp_managed(module):
         raise ComponentResidencyError(
             f"Component {name!r} resolved to {mode.value}, but it was loaded as an "
             "FSDP-managed module")
     # Offloaded components always move whole: one buffer and one copy each way.
-    store = TensorStore(name, module, store_layer, whole=mode is not ResidencyMode.RESIDENT,
+    store = TensorStore(name, module, store_layer, whole=mode not in _RESIDENT,
                         refuse_dtensors=not is_fsdp_managed(module))
     return _STRATEGIES[mode](name, store)
 
@@ -116,7 +118,7 @@ class Shape:
         if self.mode is ResidencyMode.LAYERWISE_OFFLOAD:
             return TensorStore(name, module, layer, [k for k, _ in layer_keys(module, self.lists)],
                                layout=layout)
-        return TensorStore(name, module, layer, whole=self.mode is not ResidencyMode.RESIDENT,
+        return TensorStore(name, module, layer, whole=self.mode not in _RESIDENT,
                            refuse_dtensors=not is_fsdp_managed(module), layout=layout)
 
     def strategy(self, name: str, store: TensorStore) -> ResidencyStrategy:
@@ -131,7 +133,7 @@ class Shape:
 
     def awake_units(self, store: TensorStore) -> list[Unit]:
         """The units of ``store`` (grouped for this shape) on the device while awake."""
-        if self.mode is ResidencyMode.RESIDENT:
+        if self.mode in _RESIDENT:
             return list(store.units)
         if self.mode is ResidencyMode.LAYERWISE_OFFLOAD:
             keys = set(store.layer_keys)
@@ -141,6 +143,7 @@ class Shape:
 
 _STRATEGIES: dict[ResidencyMode, type[ResidencyStrategy]] = {
     ResidencyMode.RESIDENT: ResidentStrategy,
+    ResidencyMode.RESIDENT_STABLE: ResidentStableStrategy,
     ResidencyMode.COMPONENT_OFFLOAD: ComponentOffloadStrategy,
     ResidencyMode.SNAPSHOT_OFFLOAD: SnapshotOffloadStrategy,
 }

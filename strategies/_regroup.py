@@ -228,6 +228,7 @@ class RestoreMove:
                 slot.host_view = None
         self.store.discarded = None
         self.store.refresh_derived(self.store.units)
+        self.store.settle_arena()
 
     async def undo(self) -> None:
         self.buffers.clear()

@@ -24,6 +24,7 @@ counter; call :meth:`TensorStore.mark_dirty` after such writes.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,12 +44,14 @@ from .devices import CopyHandle, CopyPair, DeviceLayer, Tier
 if TYPE_CHECKING:
     from ._discard import Discarded
     from ._filebacked import FileBacking
+    from ._vmm import Arena
 
 __all__ = ["CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreReport", "TensorStore"]
 
 CHUNK = 256 * 2**20  # bytes per copy batch: progress and cancellation points in between
 IN_FLIGHT = 2  # copy batches handed to the layer at once (the link never waits for the host)
 Progress = Callable[[int], None]  # told the bytes of each copied chunk
+_log = logging.getLogger("residency.store")
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class Move:
                 self.store.point_to_host(unit)
         self._forget_buffers()
         self.store.refresh_derived(self.units)
+        self.store.settle_arena()
 
     def _forget_buffers(self) -> None:
         self.store.add_pending(-sum(u.nbytes for u, _ in zip(self.units, self.buffers,
@@ -111,6 +115,7 @@ class Move:
         self._forget_buffers()
         for unit in self.new_mirrors:
             self.store.drop_mirror(unit)
+        self.store.settle_arena()
 
     async def undo(self) -> None:
         """:meth:`rollback`, for callers that undo moves of every kind (a write's undo
@@ -180,6 +185,9 @@ class TensorStore:
         # The checkpoint files its weights are the bytes of, if recorded (the file-backed
         # tier: strategies._filebacked).
         self.file_backing: FileBacking | None = None
+        # The address-stable arena its units live in while on the device (resident-stable:
+        # strategies._vmm), else None (device buffers from the layer's allocator).
+        self.arena: Arena | None = None
         # (``layout``'s inventory is taken over, not the store: its buffers are not kept alive.)
         self._take(layout.inventory if layout is not None else None)
 
@@ -247,6 +255,13 @@ class TensorStore:
     def rescan(self) -> None:
         """Take inventory again (after the module's structure changed while on device);
         stale tensors stay stale."""
+        if self.arena is not None:
+            # Its arena is laid out for the tensors it was made for, at fixed addresses.
+            changes = self.structure_changed() or self.drifted()
+            raise StoreError(f"component {self.name!r} is resident-stable, but tensors were "
+                             f"replaced behind the controller: {', '.join(changes[:8])}; its "
+                             "arena keeps the addresses of the tensors it was attached with: "
+                             "write new values in place (an update), or detach and attach again")
         if any(u.where == "host" for u in self.units):
             # Only a store wholly on the device is the module's own placement to take again;
             # anywhere else our host copy is the truth, and putting it back would silently
@@ -363,6 +378,52 @@ class TensorStore:
         self.refresh_derived(units)
         return sum(u.nbytes for u in units)
 
+    # -- the address-stable arena (resident-stable) ---------------------------------------
+    def device_buffer(self, unit: Unit) -> torch.Tensor:
+        """A device buffer for ``unit``: its place in the arena (mapped first if it is not:
+        the same addresses every time), else a fresh one from the layer."""
+        if self.arena is not None:
+            return self.arena.view(unit.key)
+        return self.layer.alloc(unit.nbytes, "device")
+
+    def in_arena(self, unit: Unit) -> bool:
+        """Whether ``unit`` lives in the arena now."""
+        return self.arena is not None and unit.where == "device" and \
+            unit.device_buf is not None and self.arena.holds(unit.device_buf)
+
+    def settle_arena(self) -> None:
+        """After a move committed or was undone: release the arena's physical memory when
+        no unit lives in it (its addresses stay reserved). A failure is logged and leaves it
+        mapped (counted as held; the next sleep releases it): the move stands."""
+        arena = self.arena
+        if arena is None or not arena.mapped or any(self.in_arena(u) for u in self.units):
+            return
+        try:
+            arena.unmap()
+        except Exception as exc:  # (a VmmError)
+            _log.warning("residency: component %r: releasing its arena failed, it stays "
+                         "mapped: %s", self.name, exc)
+
+    async def prepare_rehome(self, progress: Progress | None = None) -> Move:
+        """Prepare moving the units on the device that are not in the arena (attach: the
+        module's own storages) into it: the arena mapped, their bytes copied in."""
+        units = [u for u in self.units if u.where == "device" and not self.in_arena(u)]
+        move = Move(self, "device", units)
+        pairs: list[CopyPair] = []
+        async with undo_on_failure(move.undo, pairs):
+            for unit in units:
+                buf = self.device_buffer(unit)
+                move.buffers.append(buf)
+                self.add_pending(unit.nbytes)
+                if unit.device_buf is not None:
+                    pairs.append((buf, unit.device_buf))
+                else:
+                    pairs += [(buf[st.offset:st.offset + st.nbytes], st.source_bytes())
+                              for st in unit.storages]
+            await self.copy_pairs(pairs, "device", progress)
+        move.bytes_copied = sum(u.nbytes for u in units)
+        return move
+
     # -- re-pointing (the commit of every move) -----------------------------------------
     def point_to_device(self, unit: Unit, buf: torch.Tensor) -> None:
         """Re-point ``unit``'s tensors at ``buf`` (its bytes already copied in)."""
@@ -478,7 +539,7 @@ class TensorStore:
         async with undo_on_failure(move.undo):
             for unit in move.units:
                 assert unit.where == "host" and unit.host is not None
-                buf = self.layer.alloc(unit.nbytes, "device")
+                buf = self.device_buffer(unit)
                 self.layer.label(buf, self.name, unit.key)
                 move.buffers.append(buf)
                 self.add_pending(unit.nbytes)
@@ -568,8 +629,13 @@ class TensorStore:
     def device_bytes(self) -> int:
         """Bytes on the device: placed units, buffers of moves in flight, derived attributes
         recomputed from placed parameters, and FSDP's shards."""
-        return sum(u.nbytes for u in self.units if u.where == "device") + self.pending_bytes \
-            + sum(d.nbytes() for d in self.derived) + self.inventory.fsdp_bytes
+        placed = sum(u.nbytes for u in self.units if u.where == "device") + self.pending_bytes
+        if self.arena is not None and self.arena.mapped:
+            # What is mapped, whatever it holds (the allocator never sees it): the packing's
+            # alignment and the granularity's rounding included.
+            placed = self.arena.size + sum(u.nbytes for u in self.units
+                                           if u.where == "device" and not self.in_arena(u))
+        return placed + sum(d.nbytes() for d in self.derived) + self.inventory.fsdp_bytes
 
     @property
     def nbytes(self) -> int:

@@ -167,6 +167,9 @@ class DeviceLayer:
 
     device: torch.device
     pinned: bool = False
+    #: The virtual-memory driver of resident-stable arenas (strategies._vmm.vmm_for makes
+    #: it on first need; a test sets one first).
+    vmm: Any = None
     # Whether copies run beside compute (CUDA: copy engines) or take the same cores (the CPU
     # stand-in): the planner hides copies behind compute only when they do.
     copies_overlap_compute: bool = False
@@ -368,7 +371,15 @@ class DeviceLayer:
 
     def check_compute(self) -> None:
         """Raise :class:`UnsupportedCompute` when a forward runs where moves cannot be
-        ordered (CUDA graph capture, a non-default stream); nothing on the CPU."""
+        ordered (CUDA graph capture, a non-default stream); on the CPU, a simulated graph's
+        capture (:mod:`strategies._vmmsim`)."""
+        from ._vmm import graph_capturing
+
+        if graph_capturing():
+            raise UnsupportedCompute(
+                "a forward of a component whose weights move ran under (simulated) graph "
+                "capture: a captured graph would replay on freed memory; only resident-stable "
+                "components may be captured")
 
     def device_memory(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is memory only the device addresses (CUDA memory). Never on the CPU

@@ -22,7 +22,7 @@ from strategies._config import (
 
 pytestmark = pytest.mark.moves
 
-MODES = "component-offload, layerwise-offload, resident, snapshot-offload"
+MODES = "component-offload, layerwise-offload, resident, resident-stable, snapshot-offload"
 GROUPS = "groups: all, dit, image_encoder, text_encoder, vae"
 EXPECTED_MODES = {
     "vae": ResidencyMode.COMPONENT_OFFLOAD,
@@ -42,6 +42,7 @@ def test_mode_values_are_the_documented_names() -> None:
     """Each mode's value is the spelling used on the command line."""
     assert [mode.value for mode in ResidencyMode] == [
         "resident",
+        "resident-stable",
         "component-offload",
         "snapshot-offload",
         "layerwise-offload",
