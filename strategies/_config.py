@@ -41,7 +41,7 @@ class ResidencyMode(enum.Enum):
 
     RESIDENT = "resident"
     #: Resident, in a virtual-memory arena whose addresses survive sleep and wake (CUDA graphs
-    #: captured on it replay after a wake): :mod:`strategies._vmm`.
+    #: captured on it replay after a wake): :mod:`strategies.devices._vmm`.
     RESIDENT_STABLE = "resident-stable"
     COMPONENT_OFFLOAD = "component-offload"
     SNAPSHOT_OFFLOAD = "snapshot-offload"

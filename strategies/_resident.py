@@ -1,13 +1,13 @@
 """``resident``: every tensor on the device while awake; nothing moves around a use.
 ``resident-stable``: the same, its tensors re-homed into a virtual-memory arena whose
-addresses a sleep and a wake keep (:mod:`strategies._vmm`)."""
+addresses a sleep and a wake keep (:mod:`strategies.devices._vmm`)."""
 
 from __future__ import annotations
 
 from ._base import ResidencyStrategy
 from ._config import ResidencyMode
 from ._store import TensorStore
-from ._vmm import Arena, vmm_for
+from .devices._vmm import Arena, vmm_for
 
 __all__ = ["ResidentStableStrategy", "ResidentStrategy"]
 

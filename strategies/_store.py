@@ -44,7 +44,7 @@ from .devices import CopyHandle, CopyPair, DeviceLayer, Tier
 if TYPE_CHECKING:
     from ._discard import Discarded
     from ._filebacked import FileBacking
-    from ._vmm import Arena
+    from .devices._vmm import Arena
 
 __all__ = ["CHUNK", "Fetch", "Move", "PreparedMove", "Progress", "StoreReport", "TensorStore"]
 
@@ -186,7 +186,7 @@ class TensorStore:
         # tier: strategies._filebacked).
         self.file_backing: FileBacking | None = None
         # The address-stable arena its units live in while on the device (resident-stable:
-        # strategies._vmm), else None (device buffers from the layer's allocator).
+        # strategies.devices._vmm), else None (device buffers from the layer's allocator).
         self.arena: Arena | None = None
         # (``layout``'s inventory is taken over, not the store: its buffers are not kept alive.)
         self._take(layout.inventory if layout is not None else None)

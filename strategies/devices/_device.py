@@ -167,7 +167,7 @@ class DeviceLayer:
 
     device: torch.device
     pinned: bool = False
-    #: The virtual-memory driver of resident-stable arenas (strategies._vmm.vmm_for makes
+    #: The virtual-memory driver of resident-stable arenas (strategies.devices._vmm.vmm_for makes
     #: it on first need; a test sets one first).
     vmm: Any = None
     # Whether copies run beside compute (CUDA: copy engines) or take the same cores (the CPU
@@ -372,7 +372,7 @@ class DeviceLayer:
     def check_compute(self) -> None:
         """Raise :class:`UnsupportedCompute` when a forward runs where moves cannot be
         ordered (CUDA graph capture, a non-default stream); on the CPU, a simulated graph's
-        capture (:mod:`strategies._vmmsim`)."""
+        capture (:mod:`strategies.checking._vmmsim`)."""
         from ._vmm import graph_capturing
 
         if graph_capturing():

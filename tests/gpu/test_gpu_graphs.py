@@ -16,7 +16,7 @@ from torch import nn
 from lifecycle import LifecycleController
 from lifecycle.demo import DemoPipeline
 from strategies import CudaDevice
-from strategies._vmmsim import SimGraph
+from strategies.checking._vmmsim import SimGraph
 from tests.gpu.helpers import GpuRun, Recorder, link, ratio, timed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.anyio]

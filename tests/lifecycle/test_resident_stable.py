@@ -19,10 +19,11 @@ from lifecycle import (
     UnsupportedCompute,
 )
 from lifecycle.demo import DemoPipeline
-from lifecycle.testing import FaultyDevice, InjectedFault
+from lifecycle.testing import InjectedFault
 from strategies import ComponentResidencyError
-from strategies._vmm import VmmError
-from strategies._vmmsim import GraphReplayFault, SimGraph, SimVmm
+from strategies.checking._vmmsim import GraphReplayFault, SimGraph, SimVmm
+from strategies.devices._vmm import VmmError
+from tests.helpers import faulty_device
 
 pytestmark = pytest.mark.anyio
 
@@ -195,7 +196,7 @@ async def _run(target: str, ctl: LifecycleController, pipe: DemoPipeline) -> obj
 @pytest.mark.parametrize("target", ["attach", "wake"])
 async def test_a_fault_at_every_driver_call_of_a_mapping_rolls_back_and_a_retry_succeeds(
         target: str) -> None:
-    probe = FaultyDevice()
+    probe = faulty_device()
     ctl, pipe, sim = await _started(target, probe, None)
     calls = sim.calls
     await _run(target, ctl, pipe)
@@ -206,7 +207,7 @@ async def test_a_fault_at_every_driver_call_of_a_mapping_rolls_back_and_a_retry_
     args = inputs(pipe)
     expected = eager(pipe.modules["transformer"], args)
     for k in range(1, points + 1):
-        layer = FaultyDevice()
+        layer = faulty_device()
         ctl, pipe, sim = await _started(target, layer, k)
         phase = ctl.phase
         with pytest.raises((TransitionFailed, VmmError)) as info:
@@ -225,7 +226,7 @@ async def test_a_fault_at_every_driver_call_of_a_mapping_rolls_back_and_a_retry_
 
 async def test_a_fault_releasing_the_arena_leaves_it_mapped_and_the_next_sleep_releases_it(
         ) -> None:
-    layer = FaultyDevice()
+    layer = faulty_device()
     ctl, pipe, sim = await _started("sleep", layer, 1)  # cuMemUnmap
     tr = pipe.modules["transformer"]
     args = inputs(pipe)
@@ -246,7 +247,7 @@ async def test_a_fault_releasing_the_arena_leaves_it_mapped_and_the_next_sleep_r
                                              ("sleep", "alloc")])
 async def test_a_fault_at_every_copy_and_allocation_rolls_back(target: str, kind: str) -> None:
     """(The first sleep allocates the host mirrors; a wake allocates nothing: the arena.)"""
-    probe = FaultyDevice()
+    probe = faulty_device()
     ctl, pipe, _ = await _started(target, probe, None)
     copies, allocs = probe.copies, probe.allocations
     await _run(target, ctl, pipe)
@@ -259,7 +260,7 @@ async def test_a_fault_at_every_copy_and_allocation_rolls_back(target: str, kind
     # One copy per tensor: the first, the second, one in the middle and the last two (each
     # storage's copy is alike; test_faults.py fails every one for the other modes).
     for k in sorted({1, 2, points // 2, points - 1, points} - {0}):
-        layer = FaultyDevice()
+        layer = faulty_device()
         ctl, pipe, sim = await _started(target, layer, None)
         phase, mapped = ctl.phase, sim.physical_bytes
         graph = SimGraph(pipe.modules["transformer"], getattr(layer, "runtime", None))

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lifecycle import LifecycleController
-from strategies._vmm import ALIGN, Arena, VmmError, graph_capturing
-from strategies._vmmsim import GraphReplayFault, SimGraph, SimVmm, check_access
+from strategies.checking._vmmsim import GraphReplayFault, SimGraph, SimVmm, check_access
+from strategies.devices._vmm import ALIGN, Arena, VmmError, graph_capturing
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,7 @@
 """The CUDA virtual-memory driver and CUDA graphs, simulated on the CPU: :class:`SimVmm` and
 :class:`SimGraph`.
 
-:class:`SimVmm` keeps the driver's rules (see :mod:`strategies._vmm`):
+:class:`SimVmm` keeps the driver's rules (see :mod:`strategies.devices._vmm`):
 
 * sizes and addresses are multiples of the granularity (``granularity``; 2 MiB as on a GPU);
 * a reservation is a CPU byte buffer, kept until freed: its addresses never change;
@@ -13,7 +13,7 @@
 * ``fail_at``: the k-th call (1-based, over the driver's life; ``calls`` counts them) fails
   with ``CUDA_ERROR_OUT_OF_MEMORY``, so a test can enumerate every failure point.
 
-On the simulated GPU (``runtime``: a :class:`~strategies._cudasim.SimCuda`) reservations are
+On the simulated GPU (``runtime``: a :class:`~strategies.checking._cudasim.SimCuda`) reservations are
 that GPU's device memory (outside its caching allocator, as on a GPU).
 
 :class:`SimGraph` records, at capture, every operand its kernels read (each tensor of the
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._vmm import _CAPTURE, VmmError
+from ..devices._vmm import _CAPTURE, VmmError
 
 __all__ = ["GraphReplayFault", "SimGraph", "SimVmm"]
 

@@ -15,7 +15,7 @@ Two drivers stand behind an arena, both :class:`VmmDriver`:
   Every call first makes the device's primary context current in the calling thread (torch
   makes it current only in the threads it ran in), and every error names
   ``cuGetErrorString``'s text;
-* :class:`~strategies._vmmsim.SimVmm` -- the driver's rules simulated on CPU tensors (the
+* :class:`~strategies.checking._vmmsim.SimVmm` -- the driver's rules simulated on CPU tensors (the
   CPU layers and the simulated GPU), with fault injection at every call.
 
 An :class:`Arena` packs a component's units (each storage) at aligned offsets (not a
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ._errors import ResidencyError
+from .._errors import ResidencyError
 
 __all__ = ["ALIGN", "Arena", "CudaVmm", "VmmDriver", "VmmError", "graph_capturing", "vmm_for"]
 
@@ -245,7 +245,7 @@ def vmm_for(layer: Any) -> VmmDriver:
         if runtime is not None and not runtime.simulated:  # pragma: no cover - needs a GPU
             driver = CudaVmm(layer.device)
         else:
-            from ._vmmsim import SimVmm
+            from ..checking._vmmsim import SimVmm
 
             driver = SimVmm(runtime=runtime)
         layer.vmm = driver
@@ -261,7 +261,7 @@ _CAPTURE = _Capture()
 
 
 def graph_capturing() -> bool:
-    """Whether the calling thread captures a simulated graph (:mod:`strategies._vmmsim`)."""
+    """Whether the calling thread captures a simulated graph (:mod:`strategies.checking._vmmsim`)."""
     return _CAPTURE.depth > 0
 
 
