@@ -64,8 +64,9 @@ __all__ = [
     "search",
 ]
 
-_MODE_ORDER = {ResidencyMode.RESIDENT: 0, ResidencyMode.LAYERWISE_OFFLOAD: 1,
-               ResidencyMode.COMPONENT_OFFLOAD: 2, ResidencyMode.SNAPSHOT_OFFLOAD: 3}
+_MODE_ORDER = {ResidencyMode.RESIDENT: 0, ResidencyMode.RESIDENT_STABLE: 0,
+               ResidencyMode.LAYERWISE_OFFLOAD: 1, ResidencyMode.COMPONENT_OFFLOAD: 2,
+               ResidencyMode.SNAPSHOT_OFFLOAD: 3}
 PREFETCH_CHOICES = (1, 2, 4)
 RUNNERS_UP = 3
 
@@ -618,6 +619,12 @@ def _keep_fixed(all_options: list[list[Option]], sizes: Sequence[ComponentSizes]
         if mode is None:
             continue
         kept = [o for o in all_options[i] if o.mode is mode]
+        if not kept and mode is ResidencyMode.RESIDENT_STABLE and not size.fsdp:
+            # Its bytes and costs are resident's (held on the device while awake, one mirror
+            # while asleep); the planner never picks it itself: only a user knows that a
+            # component's forward is captured in a graph.
+            kept = [dataclasses.replace(o, mode=mode) for o in all_options[i]
+                    if o.mode is ResidencyMode.RESIDENT]
         if not kept:
             why = "it is FSDP-managed" if size.fsdp else "it has no block list to stream"
             raise ComponentResidencyError(

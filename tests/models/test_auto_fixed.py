@@ -111,3 +111,21 @@ def test_a_fixed_entry_with_a_bad_mode_is_refused_when_the_controller_is_made() 
         LifecycleController("cpu", residency="auto,transformer=fast", device_budget="90%")
     with pytest.raises(ValueError, match="device_budget"):
         LifecycleController("cpu", residency="auto,transformer=resident")
+
+
+async def test_a_component_fixed_to_resident_stable_is_planned_as_resident_would_be() -> None:
+    """``auto,transformer=resident-stable``: the planner plans the transformer with resident's
+    bytes and keeps its mode (its weights in an arena whose addresses survive a sleep), and
+    plans the other components around it."""
+    pipe = pipeline()
+    ctl = LifecycleController("cpu", residency="auto,transformer=resident-stable",
+                              device_budget="100%")
+    await ctl.attach(pipe)
+    try:
+        assert ctl.report().components["transformer"].mode == "resident-stable"
+        where = [p.data_ptr() for p in pipe["transformer"].parameters()]
+        await ctl.sleep()
+        await ctl.wake()
+        assert [p.data_ptr() for p in pipe["transformer"].parameters()] == where
+    finally:
+        await ctl.aclose()

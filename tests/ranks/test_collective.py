@@ -278,3 +278,48 @@ def test_a_rank_that_cannot_drain_makes_every_rank_raise_drain_timeout(tmp_path:
     out = run_ranks(scenario, tmp_path)
     for r in (0, 1):
         assert out[r] == {"type": "DrainTimeout", "failed": [1], "phase": "awake", "retry": True}
+
+
+def test_resident_stable_votes_on_every_rank_and_keeps_addresses_on_each(
+        tmp_path: Path) -> None:
+    """Arenas of resident-stable (strategies.devices._vmm) over two ranks: a wake whose
+    mapping fails on rank 1 (an injected driver fault) fails on every rank naming rank 1, and
+    every rank stays asleep with nothing mapped; the retry wakes both at the addresses they
+    had, and an update commits on both in place."""
+    from strategies.checking._vmmsim import SimVmm
+
+    async def scenario(rank: int, world: int, tmp: Path) -> dict[str, Any]:
+        layer = faulty_device()
+        sim = layer.vmm = SimVmm(runtime=getattr(layer, "runtime", None))
+        ctl = LifecycleController(device_layer=layer, process_group=dist.group.WORLD,
+                                  collective_timeout=TIMEOUT,
+                                  residency={"transformer": "resident-stable"})
+        pipe = small_pipeline()
+        await ctl.attach(pipe)
+        where = [p.data_ptr() for p in pipe["transformer"].parameters()]
+        await ctl.sleep()
+        if rank == 1:
+            sim.fail_at = sim.calls + 2  # the wake's second driver call
+        try:
+            await ctl.wake()
+            raised: dict[str, Any] = {}
+        except TransitionFailed as exc:
+            raised = describe(exc)
+        failed = {"phase": ctl.phase.value, "mapped": sim.physical_bytes}
+        sim.fail_at = None
+        woke = await ctl.wake()
+        new = {k: v + 1 for k, v in pipe["transformer"].state_dict().items()}
+        updated = await ctl.update_weights_from_tensors(new)
+        same = [p.data_ptr() for p in pipe["transformer"].parameters()] == where
+        return raised | failed | {"woke": woke.success, "updated": updated.success,
+                                  "same_addresses": same, "sums": ctl.weights_checksum(),
+                                  "version": ctl.weights_version}
+
+    out = run_ranks(scenario, tmp_path)
+    assert out[0]["sums"] == out[1]["sums"]
+    for r in (0, 1):
+        assert out[r]["type"] == "TransitionFailed", out[r]
+        assert list(out[r]["failed_ranks"]) == [1], out[r]
+        assert (out[r]["phase"], out[r]["mapped"]) == ("sleeping", 0), out[r]
+        assert (out[r]["woke"], out[r]["updated"], out[r]["same_addresses"],
+                out[r]["version"]) == (True, True, True, 1), out[r]
