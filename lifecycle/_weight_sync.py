@@ -23,6 +23,14 @@ ranks the collective vote decides. A request of at most ``bucket_bytes`` is rece
 before anything is written; a larger one is received a bucket at a time, each bucket written
 undoably before the next arrives.
 
+**The round trip** (inherent: the controller owns the update road, this module the group):
+
+    ctl.update_weights_from_distributed(...)      # the controller's public call
+      -> WeightSync.update(run, ...)              # checks the metadata, keeps the group in step
+        -> run(make_plan) = ctl._update(...)      # lock, vote, gate: the controller's road
+          -> make_plan() receives the broadcast   # into staging, via the group's process
+        <- two-phase writes, commit or undo       # back in the controller, as any update
+
 **Received, not written.** :meth:`WeightSync.receive_tensors` receives a broadcast the same
 way (the group's process, its buffer, the canaries, one deadline, a refusal drained) into
 host copies that nothing writes: vLLM's weight-transfer contract (lifecycle.http._transfer)
