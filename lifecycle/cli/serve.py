@@ -291,8 +291,9 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = getattr(args, "checkpoint", None)
     driver = None
     if world > 1:
+        from lifecycle.http._channel import OpChannel
         from lifecycle.http._driver import LocalDriver
-        from lifecycle.http._ranks import OpChannel, RankDriver, follow
+        from lifecycle.http._ranks import RankDriver, follow
 
         rank = int(os.environ["RANK"])
         channel = OpChannel(_op_store(args, world), rank, world)

@@ -79,8 +79,9 @@ async def _in_process_ranks() -> tuple[Any, list[Any], list[Any], Any]:
     from lifecycle import LifecycleController
     from lifecycle.demo import DemoPipeline
     from lifecycle.http import demo_generate
+    from lifecycle.http._channel import OpChannel
     from lifecycle.http._driver import LocalDriver
-    from lifecycle.http._ranks import OpChannel, RankDriver
+    from lifecycle.http._ranks import RankDriver
 
     store = dist.HashStore()  # type: ignore[attr-defined]
     ctls, locals_ = [], []
@@ -95,7 +96,8 @@ async def _in_process_ranks() -> tuple[Any, list[Any], list[Any], Any]:
 
 async def _following(tg: Any, store: Any, ctl: Any, local: Any) -> None:
     """Rank 1 following in ``tg``, once its heartbeat is there."""
-    from lifecycle.http._ranks import OpChannel, follow
+    from lifecycle.http._channel import OpChannel
+    from lifecycle.http._ranks import follow
 
     tg.start_soon(follow, ctl, local, OpChannel(store, 1, 2))
     while OpChannel(store, 0, 2).silent_ranks():
@@ -126,19 +128,27 @@ async def test_a_call_refused_on_rank_0_leaves_no_keys_in_the_ranks_store() -> N
 
 @pytest.mark.anyio
 async def test_a_rank_answers_an_unexpected_failure_of_an_op_and_keeps_following() -> None:
-    """An op that fails on rank 1 with an error no handler expects (a TypeError here) is
-    answered with that error, and rank 1 goes on following: it runs the next op."""
+    """An op that fails on rank 1 with an error no handler expects (a TypeError: arguments
+    its dataclass does not take, and a value its run cannot use) is answered with that error,
+    and rank 1 goes on following: it runs the next op."""
+    from lifecycle.http._channel import OpChannel
+
     store, ctls, locals_, driver = await _in_process_ranks()
-
-    async def nothing() -> None:
-        return None
-
+    channel = OpChannel(store, 0, 2)
     async with anyio.create_task_group() as tg:
         await _following(tg, store, ctls[1], locals_[1])
-        _, answers = await driver._everywhere({"op": "checksum", "args": {"names": 5}},
-                                              nothing)
-        assert answers[1]["error"] == "TypeError", answers
-        state = await driver.state()
-        assert state["ranks"]["1"]["phase"] == "awake"
+        try:
+            for seq, args in enumerate(({"names": 5}, {"names": [], "bogus": 1}), start=1):
+                channel.post(seq, {"op": "checksum", "args": args})
+                answers = await anyio.to_thread.run_sync(channel.answers, seq, 20.0)
+                assert answers[1]["error"] == "TypeError", answers
+                channel.forget(seq)
+            driver._seq = 2  # the ops posted by hand above
+            with anyio.fail_after(30):  # a follower that stopped following: fail, not hang
+                state = await driver.state()
+            assert state["ranks"]["1"]["phase"] == "awake"
+        except BaseException:
+            tg.cancel_scope.cancel()  # the follower would wait for rank 0's next op
+            raise
         await driver.stop()
     assert [c.phase.value for c in ctls] == ["uninitialized", "uninitialized"]
