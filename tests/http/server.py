@@ -102,6 +102,7 @@ def serving_ranks(*args: str, nproc: int = 2, env: dict[str, str] | None = None
             found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
             assert found is not None and f"{nproc} ranks" in line, (line, _tail(stderr))
             with httpx.Client(base_url=f"http://127.0.0.1:{found.group(1)}", timeout=60) as client:
+                _until_listening(client, proc, stderr)
                 yield proc, client
             failed = False
         finally:
@@ -112,6 +113,20 @@ def serving_ranks(*args: str, nproc: int = 2, env: dict[str, str] | None = None
             elif reports:
                 pytest.fail(f"a served rank reported violations at exit:\n{reports}",
                             pytrace=False)
+
+
+def _until_listening(client: httpx.Client, proc: subprocess.Popen[str], stderr: Any,
+                     timeout: float = 30.0) -> None:
+    """Wait until the server accepts connections (its line can come before its socket
+    listens on a loaded machine); fails with the ranks' stderr if it exits or never does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.get("/health")
+            return
+        except httpx.ConnectError:
+            assert proc.poll() is None and time.monotonic() < deadline, _tail(stderr)
+            time.sleep(0.1)
 
 
 def stop(proc: subprocess.Popen[str], timeout: float = STOP_TIMEOUT) -> None:
