@@ -18,6 +18,14 @@ pytestmark = pytest.mark.service
 ASLEEP = "Server is sleeping. Call resume_memory_occupation first."
 
 
+def wait_in_flight(client: httpx.Client) -> None:
+    """Until a generation is in flight on the server (20 s at most)."""
+    deadline = time.monotonic() + 20
+    while client.get("/is_paused").json()["in_flight"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def test_the_control_routes_run_on_both_ranks() -> None:
     """One server of two ranks, the clients' bodies in a row: every rank follows each call."""
     with serving_ranks("--collective-timeout", "5", "--pipeline",
@@ -54,10 +62,7 @@ def test_the_control_routes_run_on_both_ranks() -> None:
         with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=str(client.base_url),
                                                           timeout=60) as other:
             running = pool.submit(other.post, "/generate", json={"delay": 30, "rid": "long"})
-            deadline = time.monotonic() + 20
-            while client.get("/is_paused").json()["in_flight"] == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_in_flight(client)
             t0 = time.monotonic()
             r = client.post("/pause_generation", json={"mode": "abort"})
             assert r.json()["aborted"] == 1
@@ -99,10 +104,7 @@ def test_vllm_pause_is_sleeping_abort_by_id_and_a_multi_module_upload_on_both_ra
         with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=str(client.base_url),
                                                           timeout=60) as other:
             running = pool.submit(other.post, "/generate", json={"delay": 30, "rid": "a"})
-            deadline = time.monotonic() + 20
-            while client.get("/is_paused").json()["in_flight"] == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_in_flight(client)
             t0 = time.monotonic()
             assert client.post("/abort_request", json={"rid": "b"}).json()["aborted"] == 0
             assert client.post("/abort_request", json={"rid": "a"}).json()["aborted"] == 1
