@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lifecycle import LifecycleController
 from strategies import ResidencyConfig, detect_block_lists
 from tests.models.zoo import CASES, DEEP, ModelCase, build_deep
-from tests.strategies.strategy_suite import TrackingDevice
+from tests.modes.strategy_suite import TrackingDevice
 
 
 def largest_list(module: nn.Module) -> str:

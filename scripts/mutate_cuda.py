@@ -167,7 +167,7 @@ PROTOCOL = (
 )
 #: The suites ``--compare`` runs (the ordering pass's kind: the store's and the controller's).
 PROTOCOL_TESTS = ("tests/strategies/test_store.py", "tests/strategies/test_write.py",
-                  "tests/strategies/test_layerwise_streaming.py",
+                  "tests/modes/test_layerwise_streaming.py",
                   "tests/lifecycle/test_sleep_wake.py")
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import builtins
 import collections
-import dataclasses
 import importlib
 import io
 import json
@@ -17,9 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -34,10 +31,9 @@ from hypothesis import strategies as st
 from torch.multiprocessing import reductions
 
 from lifecycle.payload import LOAD_FORMATS, TransportError, decode_named_tensors
+from tests.http.clients import REFERENCE_MODULE, bucket, reference_metadata_class
 
 pytestmark = pytest.mark.service
-
-REFERENCE_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 
 
 def _b64(data: bytes | memoryview) -> str:
@@ -148,46 +144,6 @@ def test_plain_pickle_of_pairs_decodes_to_equal_tensors() -> None:
     _assert_same(decode_named_tensors(_b64(pickle.dumps(sent)), "direct"), sent)
 
 
-@contextmanager
-def _reference_metadata_class() -> Iterator[Any]:
-    """SGLang's FlattenedTensorMetadata under its own module path, only while pickling."""
-
-    @dataclasses.dataclass
-    class FlattenedTensorMetadata:
-        name: str
-        shape: torch.Size
-        dtype: torch.dtype
-        start_idx: int
-        end_idx: int
-        numel: int
-
-    FlattenedTensorMetadata.__module__ = REFERENCE_MODULE
-    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
-    parts = REFERENCE_MODULE.split(".")
-    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    assert not any(n in sys.modules for n in names), "a real sglang is installed"
-    for n in names:
-        sys.modules[n] = types.ModuleType(n)
-    sys.modules[REFERENCE_MODULE].FlattenedTensorMetadata = FlattenedTensorMetadata  # type: ignore[attr-defined]
-    try:
-        yield FlattenedTensorMetadata
-    finally:
-        for n in names:
-            del sys.modules[n]
-
-
-def _bucket(named: list[tuple[str, torch.Tensor]], meta_cls: Any, *, as_bytes: bool) -> dict[str, object]:
-    """The reference's ``FlattenedTensorBucket``: flatten (viewed as bytes today), concatenate."""
-    flats, metadata, index = [], [], 0
-    for name, tensor in named:
-        flat = tensor.flatten().view(torch.uint8) if as_bytes else tensor.flatten()
-        metadata.append(meta_cls(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=index,
-                                 end_idx=index + flat.numel(), numel=flat.numel()))
-        flats.append(flat)
-        index += flat.numel()
-    return {"flattened_tensor": torch.cat(flats), "metadata": metadata}
-
-
 def test_flattened_bucket_of_bytes_decodes_like_the_reference(sharing_strategy: str) -> None:
     """Today's uint8 bucket of mixed dtypes decodes, with no sglang module importable."""
     sent = [
@@ -196,8 +152,8 @@ def test_flattened_bucket_of_bytes_decodes_like_the_reference(sharing_strategy: 
         ("c", torch.arange(6, dtype=torch.int64).reshape(3, 2)),
         ("d", torch.zeros(0, 2)),
     ]
-    with _reference_metadata_class() as meta_cls:
-        payload = _forking(_bucket(sent, meta_cls, as_bytes=True))
+    with reference_metadata_class() as meta_cls:
+        payload = _forking(bucket(sent, meta_cls, as_bytes=True))
     assert REFERENCE_MODULE not in sys.modules
     _assert_same(decode_named_tensors(payload, "flattened_bucket"), sent)
 
@@ -205,8 +161,8 @@ def test_flattened_bucket_of_bytes_decodes_like_the_reference(sharing_strategy: 
 def test_flattened_bucket_of_one_dtype_decodes_like_the_older_reference() -> None:
     """The older bucket (one dtype, no byte view, numel in elements) decodes too."""
     sent = [("x", torch.randn(2, 3)), ("y", torch.randn(5)), ("z", torch.randn(1, 1, 2))]
-    with _reference_metadata_class() as meta_cls:
-        payload = _forking(_bucket(sent, meta_cls, as_bytes=False))
+    with reference_metadata_class() as meta_cls:
+        payload = _forking(bucket(sent, meta_cls, as_bytes=False))
     _assert_same(decode_named_tensors(payload, "flattened_bucket"), sent)
 
 
@@ -475,10 +431,10 @@ def test_bad_input_is_refused_with_a_message_naming_the_problem(
 
 
 def _bad_bucket(edit: Callable[[Any], None]) -> str:
-    with _reference_metadata_class() as meta_cls:
-        bucket = _bucket([("a", torch.randn(4)), ("b", torch.randn(2))], meta_cls, as_bytes=True)
-        edit(bucket["metadata"])
-        return _b64(pickle.dumps(bucket))
+    with reference_metadata_class() as meta_cls:
+        made = bucket([("a", torch.randn(4)), ("b", torch.randn(2))], meta_cls, as_bytes=True)
+        edit(made["metadata"])
+        return _b64(pickle.dumps(made))
 
 
 def _set(index: int, **fields: object) -> Callable[[Any], None]:

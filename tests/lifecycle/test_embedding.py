@@ -37,7 +37,7 @@ async def test_async_with_detaches_and_the_controller_can_be_used_again() -> Non
 
 async def test_async_with_stops_the_copy_thread_layerwise_forwards_started() -> None:
     """Layerwise forwards start the CPU copy thread; closing the controller joins it."""
-    from tests.strategies.strategy_suite import DiT, x_in
+    from tests.modes.strategy_suite import DiT, x_in
 
     before = len(copier_threads())
     async with LifecycleController("cpu", residency="transformer=layerwise-offload") as ctl:

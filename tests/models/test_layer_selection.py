@@ -15,7 +15,7 @@ from torch import nn
 from lifecycle import ComponentResidencyError, LifecycleController, Phase
 from strategies import LayerwiseOffloadStrategy, ResidencyConfig, is_layerwise_offloaded
 from tests.models.zoo import CASES, build_deep
-from tests.strategies.strategy_suite import TrackingDevice
+from tests.modes.strategy_suite import TrackingDevice
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 

@@ -19,7 +19,7 @@ from lifecycle import ComponentAsleep, LifecycleController, Phase
 from strategies import LayerwiseOffloadStrategy, ResidencyConfig, layerwise_blocks
 from tests.helpers import device_tier_storages
 from tests.models.zoo import CASES, ModelCase
-from tests.strategies.strategy_suite import TrackingDevice
+from tests.modes.strategy_suite import TrackingDevice
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 

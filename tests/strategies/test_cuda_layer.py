@@ -374,16 +374,6 @@ async def test_a_resident_components_forwards_may_run_on_a_user_stream_and_under
                 assert torch.equal(module(x), expected)
 
 
-def test_copy_streams_are_the_layers_own_at_the_lowest_priority() -> None:
-    """The two copy streams are made for the layer (never the default stream, never one of a
-    shared pool) and run at the lowest priority."""
-    layer = sim_cuda_layer()
-    streams = list(layer.streams.values())
-    assert len({id(s) for s in streams}) == 2
-    assert all(getattr(s, "own", False) and getattr(s, "priority", None) == 0 for s in streams)
-    assert all(s is not layer.runtime.default_stream() for s in streams)
-
-
 @pytest.mark.parametrize(("error", "named"), [(2, "cudaErrorMemoryAllocation"),
                                                (712, "cudaErrorHostMemoryAlreadyRegistered")])
 def test_a_failed_registration_names_its_error_and_leaves_none_for_the_next_launch(

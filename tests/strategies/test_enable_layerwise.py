@@ -17,7 +17,7 @@ from strategies import (
 from strategies.protocol import (
     build_strategy,
 )
-from tests.strategies.strategy_suite import (
+from tests.modes.strategy_suite import (
     DiT,
     TwoLists,
     _one_intra_op_thread,  # noqa: F401 (an autouse fixture)

@@ -17,7 +17,7 @@ from strategies import (
     enable_layerwise_offload,
 )
 from tests.helpers import faulty_device
-from tests.strategies.strategy_suite import (
+from tests.modes.strategy_suite import (
     DIM,
     LAYER_BYTES,
     NONLAYER_BYTES,

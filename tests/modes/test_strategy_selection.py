@@ -25,7 +25,7 @@ from strategies.protocol import (
     build_strategy,
 )
 from tests.helpers import faulty_device, fingerprints, small_pipeline
-from tests.strategies.strategy_suite import (
+from tests.modes.strategy_suite import (
     DiT,
     _one_intra_op_thread,  # noqa: F401 (an autouse fixture)
     fsdp_managed,

@@ -10,7 +10,7 @@ from torch import nn
 
 from lifecycle import LifecycleController
 from tests.helpers import faulty_device
-from tests.strategies.strategy_suite import (
+from tests.modes.strategy_suite import (
     LAYER_BYTES,
     NONLAYER_BYTES,
     OFFLOADED_MLP_BYTES,

@@ -1,18 +1,17 @@
 """Resident, component-offload and snapshot-offload: where a component is around its
-uses, what is copied back, concurrent uses, forwards outside a use."""
+uses, what is copied back, forwards outside a use (concurrent uses: test_concurrent_uses.py)."""
 
 from __future__ import annotations
 
 import copy
 
-import anyio
 import pytest
 import torch
 from torch import nn
 
 from lifecycle import ComponentNotPlaced, LifecycleController
 from tests.helpers import faulty_device, small_pipeline
-from tests.strategies.strategy_suite import (
+from tests.modes.strategy_suite import (
     OFFLOADED_TRANSFORMER_BYTES,
     Counting,
     _one_intra_op_thread,  # noqa: F401 (an autouse fixture)
@@ -136,30 +135,6 @@ async def test_component_offload_keeps_batch_norm_statistics_updated_during_a_us
     for name in ("1.running_mean", "1.running_var"):
         assert torch.equal(vae.get_buffer(name), reference.get_buffer(name))
     assert int(vae.get_buffer("1.num_batches_tracked")) == 2
-
-
-async def test_concurrent_uses_share_one_placement_until_the_last_one_ends() -> None:
-    """Two overlapping uses of one offloaded component move it in once and out after both."""
-    layer = faulty_device()
-    ctl = LifecycleController(device_layer=layer, residency="transformer=component-offload")
-    await ctl.attach(small_pipeline())
-    first_in, second_done = anyio.Event(), anyio.Event()
-    start = layer.copies
-
-    async def second() -> None:
-        await first_in.wait()
-        async with ctl.use("transformer"):
-            assert ctl.in_flight == 2
-        second_done.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(second)
-        async with ctl.use("transformer"):
-            first_in.set()
-            await second_done.wait()
-            assert ctl.report().components["transformer"].device_bytes == OFFLOADED_TRANSFORMER_BYTES
-    assert (layer.copies - start, ctl.in_flight) == (1, 0)
-    assert ctl.report().components["transformer"].device_bytes == 0
 
 
 @pytest.mark.parametrize("mode", ["component-offload", "snapshot-offload"])

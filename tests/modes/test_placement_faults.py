@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lifecycle import TransitionFailed
-from tests.strategies.strategy_suite import (
+from tests.modes.strategy_suite import (
     _one_intra_op_thread,  # noqa: F401 (an autouse fixture)
     offload_all,
 )

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from tests.strategies.strategy_suite import (
+from tests.modes.strategy_suite import (
     OFFLOADED_TRANSFORMER_BYTES,
     _one_intra_op_thread,  # noqa: F401 (an autouse fixture)
     offload_all,

@@ -17,7 +17,7 @@ from strategies import (
     enable_layerwise_offload,
     layerwise_blocks,
 )
-from tests.strategies.strategy_suite import DIM, Block, TrackingDevice, x_in
+from tests.modes.strategy_suite import DIM, Block, TrackingDevice, x_in
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 

@@ -1,5 +1,6 @@
-"""Layerwise offload under concurrent forwards: threads and tasks running the same component
-at once, on a device layer slowed and jittered so that races have room to happen."""
+"""Concurrent uses of one component: overlapping uses of an offloaded component share one
+placement; layerwise offload under threads and tasks running the same component at once, on a
+device layer slowed and jittered so that races have room to happen."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 from lifecycle import LifecycleController
 from lifecycle.testing import FaultInjection
 from strategies import LayerwiseOffloadStrategy, ResidencyConfig
-from tests.helpers import faulty_device
-from tests.strategies.strategy_suite import NONLAYER_BYTES, DiT, x_in
+from tests.helpers import faulty_device, small_pipeline
+from tests.modes.strategy_suite import NONLAYER_BYTES, OFFLOADED_TRANSFORMER_BYTES, DiT, x_in
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -123,3 +124,27 @@ async def test_plain_threads_forwarding_inside_one_use_never_share_a_fetch() -> 
         assert layer.live_device_bytes <= strategy.peak_bound() * TASKS
     assert len(outputs) == 5 * TASKS and all(torch.equal(o, expected) for o in outputs)
     assert_idle(ctl, layer, NONLAYER_BYTES)
+
+
+async def test_concurrent_uses_share_one_placement_until_the_last_one_ends() -> None:
+    """Two overlapping uses of one offloaded component move it in once and out after both."""
+    layer = faulty_device()
+    ctl = LifecycleController(device_layer=layer, residency="transformer=component-offload")
+    await ctl.attach(small_pipeline())
+    first_in, second_done = anyio.Event(), anyio.Event()
+    start = layer.copies
+
+    async def second() -> None:
+        await first_in.wait()
+        async with ctl.use("transformer"):
+            assert ctl.in_flight == 2
+        second_done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(second)
+        async with ctl.use("transformer"):
+            first_in.set()
+            await second_done.wait()
+            assert ctl.report().components["transformer"].device_bytes == OFFLOADED_TRANSFORMER_BYTES
+    assert (layer.copies - start, ctl.in_flight) == (1, 0)
+    assert ctl.report().components["transformer"].device_bytes == 0
