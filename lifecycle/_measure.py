@@ -205,7 +205,8 @@ class Measurer:
             for h in handles:
                 h.remove()
         allocator = self._layer.allocator_peak()
-        reserve = 0 if allocator is None else max(0, allocator - self._layer.peak_bytes)
+        reserve = 0 if allocator is None else \
+            max(0, allocator - self._layer.peak_bytes - self._kept_foreign())
         records = recording.uses
         trace: list[Use] = []
         for k, r in enumerate(records):
@@ -219,6 +220,22 @@ class Measurer:
                              prev.seconds if prev is not None else 0.0))
         other = max(0.0, total - sum(r.seconds + r.placing_seconds for r in records))
         return tuple(trace), other, reserve
+
+    def _kept_foreign(self) -> int:
+        """Allocator bytes held after the warm-up that are not the library's: not a
+        request's activations, whoever holds them. The first kernel of each fresh host thread
+        takes a library workspace that is never given back (cuBLAS: 32 MiB a (thread, stream)
+        handle on Hopper, until ``torch._C._cuda_clearCublasWorkspaces()``): a warm-up on
+        threads that never ran a kernel takes them inside the measured peak, the next request
+        on those threads takes none, and a percent budget, resolved against the free memory
+        after the warm-up, has counted them already; so have the bytes the caller held
+        before and still holds (its inputs, earlier outputs). Counted as activations they
+        would inflate every plan's predicted peak by bytes no request adds (and, on the
+        simulated GPU, make a model smaller than one workspace infeasible at any budget).
+        A workspace a fresh thread takes after the request's peak is subtracted too: the
+        reserve is then low by at most that workspace."""
+        allocated = self._layer.memory_allocated()
+        return 0 if allocated is None else max(0, allocated - self._layer.held_bytes)
 
     async def validate(self, plan: ResidencyPlan, change: ResidencyChange,
                        validate: Request | bool | None,

@@ -38,6 +38,7 @@ from lifecycle.testing import (
     seed_layers,
 )
 from strategies import CudaDevice
+from strategies.checking import WORKSPACE_BYTES
 
 # seconds: each copy lands up to this late (the ordering layers' default: keeps the pass fast)
 ORDERING_MAX_DELAY = 0.002
@@ -85,7 +86,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def cuda_layer(request: pytest.FixtureRequest) -> Iterator[Callable[..., CudaDevice]]:
     """Makes ``CudaDevice`` layers (``cuda_layer(**sim)``): on the real GPU with ``--gpu``,
-    over a simulated GPU (``SimCuda(**sim)``) otherwise; every layer made is closed after."""
+    over a simulated GPU (``SimCuda(**sim)``, with the checking layers' per-thread library
+    workspace unless ``sim`` names one) otherwise; every layer made is closed after."""
     made: list[CudaDevice] = []
     real = bool(request.config.getoption("--gpu"))
 
@@ -93,6 +95,7 @@ def cuda_layer(request: pytest.FixtureRequest) -> Iterator[Callable[..., CudaDev
         if real:
             layer = CudaDevice(torch.device("cuda", torch.cuda.current_device()))
         else:
+            sim = {"workspace_bytes": WORKSPACE_BYTES, **sim}
             layer = CudaDevice(torch.device("cpu"), SimCuda(seed=layer_seed(), **sim))
         made.append(layer)
         return layer

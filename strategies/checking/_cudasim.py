@@ -103,7 +103,7 @@ _MIN_BLOCK = 512
 #: with 1 MiB, the planner's measured activation reserve absorbs the workspaces of the threads
 #: a request happens to run on (tests/models/test_planner_real.py fails, as it would on a GPU),
 #: and tests/gpu compare allocator bytes that include them. A test asks for one by hand.
-WORKSPACE_BYTES = 0
+WORKSPACE_BYTES = 1 << 20
 _SMALL_REQUEST = 1 << 20
 _SMALL_SEGMENT = 2 << 20
 _LARGE_SEGMENT = 20 << 20

@@ -203,8 +203,10 @@ def faulty_cpu_layer_class() -> type[FaultInjection]:
 
 def sim_cuda_layer(**sim: Any) -> CudaDevice:
     """:class:`~strategies.devices._cuda.CudaDevice` over a simulated GPU (:class:`SimCuda`, made with
-    ``sim``: ``seed``, ``max_lag``, ``capacity``, ...): the CUDA layer's own code on the CPU."""
+    ``sim``: ``seed``, ``max_lag``, ``capacity``, ``workspace_bytes`` (default
+    :data:`WORKSPACE_BYTES`), ...): the CUDA layer's own code on the CPU."""
     sim.setdefault("seed", layer_seed())
+    sim.setdefault("workspace_bytes", WORKSPACE_BYTES)
     return CudaDevice(torch.device("cpu"), SimCuda(**sim))
 
 

@@ -44,6 +44,7 @@ from lifecycle.demo import parse_size
 from lifecycle.testing import FaultyCudaDevice, SimCuda, layer_seed
 from scripts.gpu_run import strict_json
 from strategies import CudaDevice
+from strategies.checking import WORKSPACE_BYTES
 from tests.gpu.helpers import REAL, SIMULATED, GpuRun, Recorder, Sizes
 
 HERE = Path(__file__).resolve().parent
@@ -237,7 +238,8 @@ def faulty_cuda_layer(gpu: GpuRun) -> Iterator[Callable[..., FaultyCudaDevice]]:
         if gpu.real:
             layer = FaultyCudaDevice(gpu.device, **faults)
         else:
-            layer = FaultyCudaDevice(gpu.device, SimCuda(seed=layer_seed()), **faults)
+            sim = SimCuda(seed=layer_seed(), workspace_bytes=WORKSPACE_BYTES)
+            layer = FaultyCudaDevice(gpu.device, sim, **faults)
         made.append(layer)
         return layer
 

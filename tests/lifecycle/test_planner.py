@@ -4,12 +4,15 @@ monotone choices, infeasible budgets, validation that undoes a plan, and auto re
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 import torch
+from torch import nn
 
 from lifecycle import InfeasibleBudget, LifecycleController, LifecycleError, ResidencyPlan
 from lifecycle._planner import (
@@ -23,6 +26,7 @@ from lifecycle._planner import (
 )
 from lifecycle.demo import DemoPipeline
 from strategies import ResidencyMode
+from strategies.checking import SimCuda, sim_cuda_layer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -285,3 +289,51 @@ async def test_declared_uses_replace_the_warm_up() -> None:
             ("text_encoder", 1, 0.0), ("transformer", 4, 0.2), ("vae", 1, 0.01)]
         with pytest.raises(KeyError, match="Available Module"):
             await ctl.plan("70%", uses=["unet"])
+
+
+
+def _in_a_new_thread(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: out.append(module(x)))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+async def _plan_forwarding_in_new_threads(workspace: int) -> tuple[ResidencyPlan, int]:
+    """The plan at the pipeline's own size, on a simulated GPU whose library takes
+    ``workspace`` bytes at each fresh thread's first kernel, measured by a warm-up whose
+    forwards each run in a new thread; and the workspace bytes taken."""
+    layer = sim_cuda_layer(workspace_bytes=workspace)
+    gpu = layer.runtime
+    assert isinstance(gpu, SimCuda)
+    torch.manual_seed(0)
+    pipeline = {"first": nn.Linear(128, 128), "second": nn.Linear(128, 128)}
+    x = torch.randn(4, 128)
+    async with LifecycleController(device_layer=layer, residency="all=component-offload") as ctl:
+        await ctl.attach(pipeline)
+
+        async def warmup() -> torch.Tensor:
+            y = x
+            async with ctl.request(list(pipeline)):
+                for name in pipeline:
+                    async with ctl.use(name) as module:
+                        y = await anyio.to_thread.run_sync(_in_a_new_thread, module, y)
+            return y
+
+        budget = sum(c.total_bytes for c in ctl.report().components.values())
+        return await ctl.plan(budget, warmup), gpu.workspace_total
+
+
+async def test_a_workspace_a_fresh_thread_takes_in_the_warm_up_does_not_inflate_the_plan() -> None:
+    """The first kernel of each fresh host thread takes a library workspace it never gives
+    back (cuBLAS: 32 MiB a thread on Hopper), here one bigger than the pipeline: a warm-up
+    whose forwards run in new threads measures the same activation reserve, and plans the
+    same peak at the pipeline's own size, as on a GPU whose library takes none (a later
+    request on those threads takes no more; they are not a request's activations)."""
+    workspace = 4 * 2**20
+    without, none_taken = await _plan_forwarding_in_new_threads(0)
+    plan, taken = await _plan_forwarding_in_new_threads(workspace)
+    assert none_taken == 0 and taken >= workspace  # taken in the warm-up by its new threads
+    assert plan.activation_reserve == without.activation_reserve
+    assert plan.predicted_peak_bytes == without.predicted_peak_bytes <= plan.budget_bytes
