@@ -18,7 +18,9 @@ CPU tensors stand for device memory; the simulator models what matters for corre
   training: batch-norm statistics bump no version). The first kernel of each host thread on
   each stream takes a library workspace from the allocator (``workspace_bytes``: cuBLAS takes
   32 MiB on Hopper; :data:`WORKSPACE_BYTES` on the checking layers ``RESIDENCY_DEVICE_LAYER``
-  makes, none by default), never given back (``workspace_total``).
+  makes and the tests' fixtures, none for a bare ``SimCuda``), never given back
+  (``workspace_total``); a new thread with an exited one's id has its workspace, as torch's
+  handle pool hands an exited thread's cuBLAS handle (and workspace) to the next thread.
 * **A caching allocator with torch's rules.** Device memory comes in segments (2 MiB for
   requests up to 1 MiB, 20 MiB up to 10 MiB, else rounded to 2 MiB), carved into blocks rounded
   to 512 bytes. A block belongs to the stream it was allocated on and is reused only by
@@ -98,11 +100,13 @@ from ._ordering import POISON, OrderingViolation, Violations, poison
 __all__ = ["POISON", "CudaSimViolation", "SimCuda", "SimEvent", "SimStream", "check_cuda_sim"]
 
 _MIN_BLOCK = 512
-#: The library workspace the simulated GPUs of the checking layers take per host thread and
-#: stream at its first kernel (see the module doc; a GPU's cuBLAS takes 32 MiB). None yet:
-#: with 1 MiB, the planner's measured activation reserve absorbs the workspaces of the threads
-#: a request happens to run on (tests/models/test_planner_real.py fails, as it would on a GPU),
-#: and tests/gpu compare allocator bytes that include them. A test asks for one by hand.
+#: The library workspace the simulated GPUs of the checking layers (and the tests' fixtures)
+#: take per host thread and stream at its first kernel and keep (see the module doc). A GPU's
+#: cuBLAS takes 32 MiB a handle on Hopper; 1 MiB here: a fresh segment is filled with poison,
+#: and 32 MiB a thread costs a suite with many worker threads gigabytes. So a workspace sits in
+#: a 2 MiB small segment the weights' small blocks may share (on a GPU, mostly its own). The
+#: planner's measured activation reserve leaves out bytes kept after the warm-up
+#: (lifecycle/_measure.py), and tests compare the library's bytes, or warm their threads first.
 WORKSPACE_BYTES = 1 << 20
 _SMALL_REQUEST = 1 << 20
 _SMALL_SEGMENT = 2 << 20
