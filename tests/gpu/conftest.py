@@ -4,7 +4,9 @@
   simulated GPU, at a few megabytes. What is asserted there means something there: exact
   outputs and weights, ordering (the simulator raises on any race), and memory accounting
   through the simulated caching allocator (``layer.runtime.memory()``,
-  ``report().reserved_peak_bytes``). Timings are recorded, never asserted.
+  ``report().reserved_peak_bytes``), which holds a library workspace per thread and stream
+  as a GPU's holds cuBLAS's (compare after warming the threads). Timings are recorded, never
+  asserted.
 * On a GPU, ``--gpu`` (``scripts/gpu_run.py``, ``scripts/test --gpu``): the real layer at
   gigabytes, and the bandwidth and latency targets are asserted too.
 
