@@ -141,7 +141,7 @@ def _libcuda() -> Any:  # pragma: no cover - needs a GPU
 class _CudaArray:
     """What ``torch.as_tensor`` needs to see device memory at an address (no copy)."""
 
-    def __init__(self, va: int, size: int) -> None:
+    def __init__(self, va: int, size: int) -> None:  # pragma: no cover - needs a GPU
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1",
                                          "data": (va, False), "version": 3, "strides": None}
 
