@@ -108,6 +108,9 @@ SIGNATURES: dict[str, tuple[type[Any], ...]] = {
 _CONTEXT_FREE = {"cuInit", "cuGetErrorString", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
                  "cuCtxGetCurrent", "cuCtxSetCurrent"}
 _CTX_BASE = 0x7C7C_0000_0000  # primary context handles: _CTX_BASE + 0x1000 * (ordinal + 1)
+#: Allocation handles are 64-bit values, as the driver's are (a handle cut to 32 bits is
+#: unknown): SimVmm's handle + _HANDLE_BASE.
+_HANDLE_BASE = 0x7E57 << 48
 _FuncPtr: Any = ctypes.CDLL(None)._FuncPtr  # what ctypes.CDLL's attributes are made of
 
 
@@ -332,14 +335,14 @@ class SimLibcuda:
         self._zero(flags=flags)
         if not out:
             raise _Refused(CUDA_ERROR_INVALID_VALUE, "an out-parameter is NULL")
-        handle = self.vmm.create(size)
+        handle = _HANDLE_BASE + self.vmm.create(size)
         self._out(out, ctypes.c_ulonglong, handle)
         return {"size": size, "prop": decoded, "flags": flags, "handle": handle}
 
     def _cuMemMap(self, va: int, size: int, offset: int, handle: int,
                   flags: int) -> dict[str, Any]:
         self._zero(offset=offset, flags=flags)
-        self.vmm.map(va, size, handle)
+        self.vmm.map(va, size, handle - _HANDLE_BASE)
         return {"va": va, "size": size, "offset": offset, "handle": handle, "flags": flags}
 
     def _cuMemSetAccess(self, va: int, size: int, desc: int | None, count: int) -> dict[str, Any]:
@@ -362,7 +365,7 @@ class SimLibcuda:
         return {"va": va, "size": size}
 
     def _cuMemRelease(self, handle: int) -> dict[str, Any]:
-        self.vmm.release(handle)
+        self.vmm.release(handle - _HANDLE_BASE)
         return {"handle": handle}
 
 

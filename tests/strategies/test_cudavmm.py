@@ -75,6 +75,7 @@ def test_the_allocation_properties_reach_the_driver_as_it_reads_them(
     assert cuda.granularity() == 2 * MiB
     assert args(lib, "cuMemGetAllocationGranularity") == {"prop": PROP, "option": 0}  # minimum
     handle = cuda.create(4 * MiB)
+    assert handle > 2**32  # a 64-bit handle, as the driver's: none of its bits lost
     assert args(lib, "cuMemCreate") == {"size": 4 * MiB, "prop": PROP, "flags": 0,
                                         "handle": handle}
     cuda.release(handle)
