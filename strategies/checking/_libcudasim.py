@@ -215,10 +215,19 @@ class SimLibcuda:
         return entry
 
     @staticmethod
-    def _out(ptr: int | None, ctype: type[Any], value: int) -> None:
+    def _pointer(ptr: int | None, what: str) -> int:
+        """``ptr`` checked before it is read or written: NULL is the driver's
+        CUDA_ERROR_INVALID_VALUE; an address in the first 64 KiB (an integer passed where
+        the driver takes a pointer) would crash the process on a GPU: refused here."""
         if not ptr:
-            raise _Refused(CUDA_ERROR_INVALID_VALUE, "an out-parameter is NULL")
-        ctype.from_address(ptr).value = value
+            raise _Refused(CUDA_ERROR_INVALID_VALUE, f"{what} is NULL")
+        if ptr < 0x10000:
+            raise _Refused(CUDA_ERROR_INVALID_VALUE, f"{what} at {ptr:#x} is not an address (a "
+                           "value passed where the driver takes a pointer: a crash on a GPU)")
+        return ptr
+
+    def _out(self, ptr: int | None, ctype: type[Any], value: int) -> None:
+        ctype.from_address(self._pointer(ptr, "an out-parameter")).value = value
 
     def _device(self, ordinal: int) -> None:
         if not 0 <= ordinal <= self.ordinal:
@@ -226,10 +235,9 @@ class SimLibcuda:
                            f"device {ordinal}: the devices are 0 .. {self.ordinal}")
 
     def _prop(self, ptr: int | None) -> dict[str, Any]:
-        if not ptr:
-            raise _Refused(CUDA_ERROR_INVALID_VALUE, "CUmemAllocationProp is NULL")
+        address = self._pointer(ptr, "CUmemAllocationProp")
         (kind, handles, ltype, lid, win32, compression, rdma, usage,
-         reserved) = ALLOCATION_PROP.unpack(ctypes.string_at(ptr, ALLOCATION_PROP.size))
+         reserved) = ALLOCATION_PROP.unpack(ctypes.string_at(address, ALLOCATION_PROP.size))
         prop = {"type": kind, "requestedHandleTypes": handles, "location": (ltype, lid),
                 "win32HandleMetaData": win32, "compressionType": compression,
                 "gpuDirectRDMACapable": rdma, "usage": usage, "reserved": reserved}
@@ -319,8 +327,7 @@ class SimLibcuda:
                            f"two multiple of the granularity {self.minimum}")
         if not size:
             raise _Refused(CUDA_ERROR_INVALID_VALUE, "size 0")
-        if not out:
-            raise _Refused(CUDA_ERROR_INVALID_VALUE, "an out-parameter is NULL")
+        self._pointer(out, "an out-parameter")
         va = self.vmm.reserve(size)
         self._out(out, ctypes.c_uint64, va)
         return {"size": size, "alignment": alignment, "addr": addr, "flags": flags, "va": va}
@@ -333,8 +340,7 @@ class SimLibcuda:
                      flags: int) -> dict[str, Any]:
         decoded = self._prop(prop)
         self._zero(flags=flags)
-        if not out:
-            raise _Refused(CUDA_ERROR_INVALID_VALUE, "an out-parameter is NULL")
+        self._pointer(out, "an out-parameter")
         handle = _HANDLE_BASE + self.vmm.create(size)
         self._out(out, ctypes.c_ulonglong, handle)
         return {"size": size, "prop": decoded, "flags": flags, "handle": handle}
@@ -346,8 +352,9 @@ class SimLibcuda:
         return {"va": va, "size": size, "offset": offset, "handle": handle, "flags": flags}
 
     def _cuMemSetAccess(self, va: int, size: int, desc: int | None, count: int) -> dict[str, Any]:
-        if not desc or not count:
-            raise _Refused(CUDA_ERROR_INVALID_VALUE, "no CUmemAccessDesc (NULL or count 0)")
+        desc = self._pointer(desc, "CUmemAccessDesc")
+        if not count:
+            raise _Refused(CUDA_ERROR_INVALID_VALUE, "CUmemAccessDesc count 0")
         descs = [ACCESS_DESC.unpack(ctypes.string_at(desc + i * ACCESS_DESC.size,
                                                      ACCESS_DESC.size)) for i in range(count)]
         for ltype, lid, flags in descs:

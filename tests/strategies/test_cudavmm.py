@@ -37,7 +37,8 @@ from strategies.devices._vmm import (
 )
 
 MiB = 2**20
-ORDINAL = 1  # the simulated machine has cuda:0 and cuda:1; cuda:1's memory is simulated
+ORDINAL = 2  # the simulated machine has cuda:0 .. cuda:2; cuda:2's memory is simulated
+# (not 1: CU_MEM_LOCATION_TYPE_DEVICE is 1 too, and a swap of the two would not show)
 PROP = {"type": 1, "requestedHandleTypes": 0, "location": (1, ORDINAL), "win32HandleMetaData": 0,
         "compressionType": 0, "gpuDirectRDMACapable": 0, "usage": 0, "reserved": bytes(4)}
 
@@ -299,6 +300,16 @@ def test_the_driver_checks_every_field_of_the_allocation_properties(
     cuda.make_current()
     assert granularity_of(lib, prop_with(**fields))[0] == code, lib.log[-1].why
     assert granularity_of(lib, prop_with()) == (0, 2 * MiB)
+
+
+def test_a_value_passed_where_the_driver_takes_a_pointer_is_refused_not_a_crash(
+        lib: SimLibcuda, cuda: CudaVmm) -> None:
+    cuda.make_current()
+    gran = ctypes.c_size_t()
+    assert lib.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.c_void_p(8),
+                                             ctypes.c_int(0)) == 1
+    assert "at 0x8 is not an address" in lib.log[-1].why
+    assert lib.cuGetErrorString(ctypes.c_int(2), ctypes.c_void_p(0)) == 1  # NULL
 
 
 def test_the_granularity_options_are_the_minimum_and_the_recommended(
