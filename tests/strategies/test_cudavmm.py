@@ -218,11 +218,19 @@ def test_a_failed_free_at_close_is_logged_and_the_arena_is_closed(
 
 
 def in_new_thread(fn: Callable[[], Any]) -> tuple[str, Any]:
+    """``fn()`` in a thread of its own: the thread's name and what it returned or raised."""
     result: list[Any] = []
-    thread = threading.Thread(target=lambda: result.append(fn()), name="fresh")
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except Exception as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, name="fresh")
     thread.start()
     thread.join()
-    return thread.name, result[0] if result else None
+    return thread.name, result[0]
 
 
 def test_every_call_makes_the_context_current_in_a_new_thread(lib: SimLibcuda,
@@ -235,10 +243,10 @@ def test_every_call_makes_the_context_current_in_a_new_thread(lib: SimLibcuda,
         lambda: cuda.map(va, size, handle), lambda: cuda.set_access(va, size),
         lambda: cuda.bytes_at(va, size).fill_(1), lambda: cuda.unmap(va, size),
         lambda: cuda.release(handle), lambda: cuda.free(va, size)]
-    for step in steps:
-        in_new_thread(step)
+    raised = [r for r in [gran, va, handle] + [in_new_thread(s)[1] for s in steps]
+              if isinstance(r, Exception)]
     failed = [c for c in lib.log if c.result]
-    assert gran == size and not failed, failed
+    assert gran == size and not raised and not failed, (raised, failed)
     fresh = [c for c in lib.log if c.thread == "fresh"]
     sets = [c for c in fresh if c.name == "cuCtxSetCurrent"]
     assert len(sets) == 9 and all(c.args["ctx"] == lib.context_of(ORDINAL) for c in sets)
