@@ -12,9 +12,11 @@ a sleep only unmaps and releases the physical memory behind it (``cuMemUnmap``,
 Two drivers stand behind an arena, both :class:`VmmDriver`:
 
 * :class:`CudaVmm` -- the CUDA driver API (``libcuda``) through ctypes, no compiled extension.
-  Every call first makes the device's primary context current in the calling thread (torch
-  makes it current only in the threads it ran in), and every error names
-  ``cuGetErrorString``'s text;
+  It retains the device's primary context (``cuDevicePrimaryCtxRetain``: torch's), and every
+  call first makes it current in the calling thread (torch makes it current only in the
+  threads it ran in); every error names ``cuGetErrorString``'s text. On the simulated GPU it
+  runs over :class:`~strategies.checking._libcudasim.SimLibcuda`, a simulated ``libcuda``
+  behind real ctypes calls;
 * :class:`~strategies.checking._vmmsim.SimVmm` -- the driver's rules simulated on CPU tensors (the
   CPU layers and the simulated GPU), with fault injection at every call.
 
@@ -139,30 +141,45 @@ def _libcuda() -> Any:  # pragma: no cover - needs a GPU
 class _CudaArray:
     """What ``torch.as_tensor`` needs to see device memory at an address (no copy)."""
 
-    def __init__(self, va: int, size: int) -> None:
+    def __init__(self, va: int, size: int) -> None:  # pragma: no cover - needs a GPU
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1",
                                          "data": (va, False), "version": 3, "strides": None}
 
 
-class CudaVmm:  # pragma: no cover - the real driver: needs a GPU (tests/gpu runs it)
-    """:class:`VmmDriver` on the CUDA driver API for ``device`` (a ``cuda:N`` device)."""
+class CudaVmm:
+    """:class:`VmmDriver` on the CUDA driver API for ``device`` (a ``cuda:N`` device; on the
+    simulated GPU its ``cpu`` device, with ``ordinal`` the simulated index).
 
-    def __init__(self, device: torch.device) -> None:
+    ``lib``: the driver library (default: ``libcuda`` loaded with ctypes). The simulated GPU
+    passes a :class:`~strategies.checking._libcudasim.SimLibcuda`, whose entry points are
+    ctypes callbacks that read what this class passes from raw memory, so this code runs in CI
+    as it would against the real library. The device's primary context (the one torch's
+    runtime uses) is retained through the driver API here and made current in the calling
+    thread before every call."""
+
+    def __init__(self, device: torch.device, *, lib: Any = None,
+                 ordinal: int | None = None) -> None:
         self.device = device
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self._lib = _libcuda()
-        with torch.cuda.device(self.index):
-            torch.empty(1, device=self.device)  # torch's primary context exists and is current
-            ctx = ctypes.c_void_p()
-            self._check("cuCtxGetCurrent", self._lib.cuCtxGetCurrent(ctypes.byref(ctx)))
+        if ordinal is None:  # pragma: no cover - needs a GPU
+            ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        self.index = ordinal
+        self._lib = lib if lib is not None else _libcuda()
+        self._check("cuInit", self._lib.cuInit(ctypes.c_uint(0)))
+        dev = ctypes.c_int()
+        self._check("cuDeviceGet", self._lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(ordinal)),
+                    f"device ordinal {ordinal}")
+        ctx = ctypes.c_void_p()
+        self._check("cuDevicePrimaryCtxRetain",
+                    self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), f"cuda:{ordinal}")
         self._ctx = ctx
         self._gran: int | None = None
 
     def _check(self, call: str, code: int, detail: str = "") -> None:
         if code:
             text = ctypes.c_char_p()
-            self._lib.cuGetErrorString(code, ctypes.byref(text))
-            raise VmmError(call, int(code), (text.value or b"unknown error").decode(), detail)
+            if self._lib.cuGetErrorString(ctypes.c_int(code), ctypes.byref(text)) or not text.value:
+                raise VmmError(call, int(code), "an error code the driver does not know", detail)
+            raise VmmError(call, int(code), text.value.decode(), detail)
 
     def make_current(self) -> None:
         now = ctypes.c_void_p()
@@ -182,7 +199,8 @@ class CudaVmm:  # pragma: no cover - the real driver: needs a GPU (tests/gpu run
             gran = ctypes.c_size_t()
             prop = self._prop()
             self._check("cuMemGetAllocationGranularity", self._lib.cuMemGetAllocationGranularity(
-                ctypes.byref(gran), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+                ctypes.byref(gran), ctypes.byref(prop),
+                ctypes.c_int(_CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
             self._gran = int(gran.value)
         return self._gran
 
@@ -231,19 +249,26 @@ class CudaVmm:  # pragma: no cover - the real driver: needs a GPU (tests/gpu run
 
     def bytes_at(self, va: int, size: int) -> torch.Tensor:
         self.make_current()
-        with torch.cuda.device(self.index):
+        if self.device.type != "cuda":  # the simulated GPU: its device memory is host memory
+            return torch.frombuffer((ctypes.c_ubyte * size).from_address(va), dtype=torch.uint8)
+        with torch.cuda.device(self.index):  # pragma: no cover - needs a GPU
             return torch.as_tensor(_CudaArray(va, size), device=self.device)
 
 
 def vmm_for(layer: Any) -> VmmDriver:
     """The virtual-memory driver of device layer ``layer`` (made once, kept on the layer as
-    ``layer.vmm``; a test sets one first): the CUDA driver on a GPU, the simulated one on
-    the simulated GPU and the CPU layers."""
+    ``layer.vmm``; a test sets one first): the CUDA driver on a GPU; on the simulated GPU
+    :class:`CudaVmm` too, over a simulated ``libcuda``
+    (:mod:`strategies.checking._libcudasim`); the simulated driver on the CPU layers."""
     driver: VmmDriver | None = getattr(layer, "vmm", None)
     if driver is None:
         runtime = getattr(layer, "runtime", None)
         if runtime is not None and not runtime.simulated:  # pragma: no cover - needs a GPU
             driver = CudaVmm(layer.device)
+        elif runtime is not None:  # the simulated GPU: the ctypes code over a simulated libcuda
+            from ..checking._libcudasim import simulated_cuda_vmm
+
+            driver = simulated_cuda_vmm(layer.device, runtime)
         else:
             from ..checking._vmmsim import SimVmm
 

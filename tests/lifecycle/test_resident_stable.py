@@ -21,8 +21,9 @@ from lifecycle import (
 from lifecycle.demo import DemoPipeline
 from lifecycle.testing import InjectedFault
 from strategies import ComponentResidencyError
+from strategies.checking._libcudasim import simulated_cuda_vmm
 from strategies.checking._vmmsim import GraphReplayFault, SimGraph, SimVmm
-from strategies.devices._vmm import VmmError
+from strategies.devices._vmm import CudaVmm, VmmDriver, VmmError
 from tests.helpers import faulty_device
 
 pytestmark = pytest.mark.anyio
@@ -48,9 +49,18 @@ def addresses(module: nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def driver(layer: Any, fail_at: int | None = None) -> SimVmm:
-    """A simulated driver for ``layer`` (the simulated GPU's when it has one)."""
-    sim = layer.vmm = SimVmm(runtime=getattr(layer, "runtime", None), fail_at=fail_at)
+    """A simulated driver for ``layer``, as vmm_for makes it: on the simulated GPU the CUDA
+    driver's ctypes code (CudaVmm) over a simulated libcuda of it, else the simulated driver
+    itself; returns the simulated driver."""
+    runtime = getattr(layer, "runtime", None)
+    sim = SimVmm(runtime=runtime, fail_at=fail_at)
+    layer.vmm = simulated_cuda_vmm(layer.device, runtime, sim) if runtime is not None else sim
     return sim
+
+
+def simulated(vmm: VmmDriver) -> SimVmm:
+    """The simulated driver behind ``vmm`` (vmm_for's)."""
+    return vmm._lib.vmm if isinstance(vmm, CudaVmm) else vmm  # type: ignore[return-value]
 
 
 def arena_of(ctl: LifecycleController) -> Any:
@@ -96,7 +106,7 @@ async def test_the_report_counts_the_mapped_arena_and_nothing_while_asleep() -> 
         assert arena.waste == arena.size - placed.total_bytes < arena.driver.granularity()
         await ctl.sleep()
         assert ctl.report().components["transformer"].device_bytes == 0
-        assert ctl._layer.vmm.physical_bytes == 0
+        assert simulated(ctl._layer.vmm).physical_bytes == 0
 
 
 async def test_a_forward_while_asleep_is_refused_and_a_replay_on_unmapped_memory_is_fatal() -> None:
@@ -213,7 +223,8 @@ async def test_a_fault_at_every_driver_call_of_a_mapping_rolls_back_and_a_retry_
         with pytest.raises((TransitionFailed, VmmError)) as info:
             await _run(target, ctl, pipe)
         cause = info.value.cause if isinstance(info.value, TransitionFailed) else info.value
-        assert isinstance(cause, VmmError) and "injected" in str(cause)
+        assert isinstance(cause, VmmError) and cause.code == 2  # CUDA_ERROR_OUT_OF_MEMORY
+        assert "out of memory" in str(cause)
         assert ctl.phase is phase
         assert sim.physical_bytes == 0  # nothing left mapped
         sim.fail_at = None
