@@ -19,13 +19,13 @@ from typing import Any
 from starlette.requests import Request
 
 from .._discard import Discard
-from .._weight_sync import DEFAULT_TIMEOUT
+from .._weight_sync import DEFAULT_TIMEOUT, Broadcast, DistributedUpdate
 from ..payload import check_load_format
 from ._wire import TensorRequest
 
 __all__ = ["MAX_WEIGHT_VERSION", "SPAN_MIN", "UPDATE_MODES", "BadRequest", "Body", "MiB", "Span",
-           "discard_of", "field", "json_body", "parse", "read", "refused", "tensor_request",
-           "texts", "timeout_of", "unicode_text", "update_mode", "weight_version"]
+           "discard_of", "distributed_update", "field", "json_body", "parse", "read", "refused",
+           "tensor_request", "texts", "timeout_of", "unicode_text", "update_mode", "weight_version"]
 
 MiB = 2**20
 
@@ -353,3 +353,30 @@ def texts(name: str, value: Any) -> None:
             if isinstance(v, str):
                 unicode_text(f"{name}[{i}]", v)
 
+
+
+def distributed_update(body: Mapping[str, Any]) -> Broadcast:
+    """``/update_weights_from_distributed``'s request. Refused here (400, before the group is
+    touched) only what the HTTP layer owns: absent lists, lone surrogates, a load format, a
+    field of the wrong JSON type, a ``timeout`` out of range; the tensor list and the
+    update's options are checked by :meth:`DistributedUpdate.parse`, whose refusal still
+    receives the broadcast (the trainer's completes)."""
+    for name in ("names", "dtypes", "shapes"):
+        if name not in body or body[name] is None:
+            raise refused(f"{name} is required")
+        texts(name, body[name])
+    load_format = field(body, "load_format", "string")
+    if load_format not in (None, "auto", "direct"):
+        raise refused(f"load_format {load_format[:60]!r} is not supported over a weight "
+                      "update group; the trainer broadcasts each named tensor as it is")
+    targets = body.get("target_modules")
+    texts("target_modules", targets)
+    return DistributedUpdate.parse({
+        "names": body["names"], "dtypes": body["dtypes"], "shapes": body["shapes"],
+        "group_name": field(body, "group_name", "string", default="weight_update_group"),
+        "target_modules": ["transformer"] if targets is None else targets,
+        "flush_cache": field(body, "flush_cache", "boolean", default=False),
+        "weight_version": weight_version(body),
+        "weight_update_mode": body.get("weight_update_mode"),
+        "lora_alpha": body.get("lora_alpha"), "lora_rank": body.get("lora_rank"),
+        "timeout": timeout_of(body), "bucket_bytes": body.get("bucket_bytes")})

@@ -23,13 +23,13 @@ from ._answers import Handler, Routes, group_result, transition, update
 from ._bodies import (
     Span,
     discard_of,
+    distributed_update,
     field,
     json_body,
     parse,
     read,
     refused,
     tensor_request,
-    texts,
     timeout_of,
     unicode_text,
     update_mode,
@@ -178,31 +178,13 @@ async def init_weights_update_group(request: Request) -> Response:
 
 async def update_weights_from_distributed(request: Request) -> Response:
     """Receive the tensors the trainer broadcasts over the group (in list order) into the
-    target module, all or nothing. The tensor list and the update's options are checked by
-    the controller, which still receives the broadcast when it refuses (the trainer's
-    completes): they are passed as they came."""
+    target module, all or nothing. A request refused for its tensor list or the update's
+    options still receives the broadcast before the answer (the trainer's completes): see
+    :func:`lifecycle.http._bodies.distributed_update`."""
     service = group_service(request)
     body = await json_body(request, service.body_limit)
-    for name in ("names", "dtypes", "shapes"):
-        if name not in body or body[name] is None:
-            raise refused(f"{name} is required")
-        texts(name, body[name])
-    load_format = field(body, "load_format", "string")
-    if load_format not in (None, "auto", "direct"):
-        raise refused(f"load_format {load_format[:60]!r} is not supported over a weight "
-                      "update group; the trainer broadcasts each named tensor as it is")
-    targets = body.get("target_modules")
-    texts("target_modules", targets)
-    args: dict[str, Any] = {
-        "names": body["names"], "dtypes": body["dtypes"], "shapes": body["shapes"],
-        "group_name": field(body, "group_name", "string", default="weight_update_group"),
-        "target_modules": ["transformer"] if targets is None else targets,
-        "flush_cache": field(body, "flush_cache", "boolean", default=False),
-        "weight_version": weight_version(body),
-        "weight_update_mode": body.get("weight_update_mode"),
-        "lora_alpha": body.get("lora_alpha"), "lora_rank": body.get("lora_rank"),
-        "timeout": timeout_of(body), "bucket_bytes": body.get("bucket_bytes")}
-    return await update(service, lambda: service.driver.update_weights_from_distributed(args),
+    broadcast = distributed_update(body)
+    return await update(service, lambda: service.driver.update_from_broadcast(broadcast),
                         trainer=True)
 
 
