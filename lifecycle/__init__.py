@@ -48,6 +48,7 @@ from ._results import (
     WeightUpdateGroupResult,
     WeightUpdateGroupState,
 )
+from ._weight_sync import DistributedUpdate, RefusedBroadcast
 
 __all__ = [
     "AdmissionTimeout",
@@ -58,6 +59,7 @@ __all__ = [
     "ComponentNotPlaced",
     "ComponentPlacement",
     "ComponentResidencyError",
+    "DistributedUpdate",
     "DrainTimeout",
     "FSDPInferenceUnsupported",
     "GroupBroken",
@@ -73,6 +75,7 @@ __all__ = [
     "PlacementReport",
     "RankChecksums",
     "RanksDisagree",
+    "RefusedBroadcast",
     "ResidencyChange",
     "ResidencyError",
     "ResidencyPlan",

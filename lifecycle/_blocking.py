@@ -366,6 +366,7 @@ class SyncLifecycleController:
     init_weights_update_group = _awaited(LifecycleController.init_weights_update_group)
     destroy_weights_update_group = _awaited(LifecycleController.destroy_weights_update_group)
     update_weights_from_distributed = _awaited(LifecycleController.update_weights_from_distributed)
+    update_from_broadcast = _awaited(LifecycleController.update_from_broadcast)
     stop_weight_sync = _in_loop(LifecycleController.stop_weight_sync)
     receive_from_distributed = _awaited(LifecycleController.receive_from_distributed)
 

@@ -89,7 +89,14 @@ from ._select import resolve_components
 from ._sleep import Run
 from ._updates import UpdatePlan, UpdateRefused, plan_from_disk, version_label
 from ._uses import Uses
-from ._weight_sync import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightSync, WeightSyncLimits
+from ._weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_TIMEOUT,
+    DistributedUpdate,
+    RefusedBroadcast,
+    WeightSync,
+    WeightSyncLimits,
+)
 
 __all__ = ["LifecycleController"]
 
@@ -967,14 +974,24 @@ class LifecycleController:
         into ``target_modules[0]``, all or nothing (see lifecycle._weight_sync): checked
         before the broadcast starts, staged in buckets of at most ``bucket_bytes``, a trainer
         that dies or stalls ``timeout`` seconds fails the update and breaks the group."""
-        label = version_label(weight_version)
+        return await self.update_from_broadcast(DistributedUpdate.parse({
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "target_modules": target_modules, "flush_cache": flush_cache,
+            "weight_version": weight_version, "weight_update_mode": weight_update_mode,
+            "lora_alpha": lora_alpha, "lora_rank": lora_rank, "timeout": timeout,
+            "bucket_bytes": bucket_bytes}))
+
+    async def update_from_broadcast(self, request: DistributedUpdate | RefusedBroadcast
+                                    ) -> UpdateResult:
+        """:meth:`update_weights_from_distributed` of a checked request
+        (:meth:`DistributedUpdate.parse`). A :class:`RefusedBroadcast` is received over its
+        group and dropped (the trainer's broadcast completes), then its error raised."""
+        update = request if isinstance(request, DistributedUpdate) else None
         return self._answer(await self._weight_sync.update(
-            functools.partial(self._update, "update_from_distributed", label=label,
-                              flush=flush_cache),
-            self._components.stores(), self._lora, names=names, dtypes=dtypes, shapes=shapes,
-            group_name=group_name, target_modules=target_modules,
-            weight_update_mode=weight_update_mode, lora_alpha=lora_alpha, lora_rank=lora_rank,
-            timeout=timeout, bucket_bytes=bucket_bytes))
+            functools.partial(self._update, "update_from_distributed",
+                              label=None if update is None else update.weight_version,
+                              flush=update is not None and update.flush_cache),
+            self._components.stores(), self._lora, request))
 
     async def receive_from_distributed(
             self, names: Sequence[str], dtypes: Sequence[str | torch.dtype],

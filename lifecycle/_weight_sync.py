@@ -124,13 +124,37 @@ from . import _events as events
 from . import _weight_sync_child as _child
 from ._errors import InvalidRequest, WeightSyncError, WeightSyncGroupBroken, WeightSyncGroupMissing
 from ._events import get_logger
-from ._lora import LoraBases, LoraScale, LoraTarget, lora_layout, merge_plan, parse_mode, parse_scale
+from ._lora import (
+    LoraBases,
+    LoraScale,
+    LoraTarget,
+    WeightUpdateMode,
+    lora_layout,
+    merge_plan,
+    parse_mode,
+    parse_scale,
+)
 from ._results import UpdateResult, WeightUpdateGroupResult, WeightUpdateGroupState
-from ._updates import PlannedWrite, UpdatePlan, UpdateRefused
+from ._updates import PlannedWrite, UpdatePlan, UpdateRefused, version_label
 
-__all__ = ["BACKENDS", "DEFAULT_BUCKET_BYTES", "DEFAULT_TIMEOUT", "TensorSpec", "WeightSync",
-           "WeightSyncLimits", "WeightSyncTransferFailed", "WeightUpdateGroup", "parse_address",
-           "parse_dtype", "parse_specs", "warm_up"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_TIMEOUT",
+    "Broadcast",
+    "DistributedUpdate",
+    "RefusedBroadcast",
+    "TensorSpec",
+    "WeightSync",
+    "WeightSyncLimits",
+    "WeightSyncTransferFailed",
+    "WeightUpdateGroup",
+    "broadcast_from_json",
+    "parse_address",
+    "parse_dtype",
+    "parse_specs",
+    "warm_up",
+]
 
 _log = get_logger("lifecycle.weight_sync")
 
@@ -208,6 +232,133 @@ def _positive(name: str, value: object, kind: type = float) -> Any:
     if not ok or (kind is int and not isinstance(value, int)):
         raise InvalidRequest(name, f"{name} must be a positive {kind.__name__}, got {value!r}")
     return value
+
+
+# -- an update's request ------------------------------------------------------------------
+def _specs_json(specs: Sequence[TensorSpec]) -> dict[str, Any]:
+    return {"names": [s.name for s in specs], "dtypes": [str(s.dtype) for s in specs],
+            "shapes": [list(s.shape) for s in specs]}
+
+
+def _specs_from_json(value: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(n, parse_dtype(d), tuple(s)) for n, d, s in zip(
+        value["names"], value["dtypes"], value["shapes"], strict=True))
+
+
+@dataclass(frozen=True)
+class DistributedUpdate:
+    """An update over a weight update group, checked (make one with :meth:`parse`): the
+    tensors the trainer broadcasts (``specs``: the request's ``names``, ``dtypes`` and
+    ``shapes``, in broadcast order), the group, the one target module, the update mode and
+    its LoRA scale (``lora_alpha`` / ``lora_rank``, None outside a LoRA merge), the seconds
+    the whole broadcast may take, the staging bucket (None: the group's), and what the
+    controller's update does after (``flush_cache``, ``weight_version``)."""
+
+    specs: tuple[TensorSpec, ...]
+    group_name: str = "weight_update_group"
+    target_modules: tuple[str] = ("transformer",)
+    weight_update_mode: WeightUpdateMode = "full"
+    lora_alpha: float | None = None
+    lora_rank: int | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    bucket_bytes: int | None = None
+    flush_cache: bool = False
+    weight_version: str | None = None
+
+    @property
+    def scale(self) -> LoraScale:
+        return LoraScale(self.lora_alpha, self.lora_rank)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, object]) -> DistributedUpdate | RefusedBroadcast:
+        """The request of ``body`` (the keyword arguments of
+        :meth:`LifecycleController.update_weights_from_distributed`; an absent field takes
+        its default), or, when a field is wrong, a :class:`RefusedBroadcast`: the trainer
+        broadcasts whatever the answer, so the update refuses only once it received (and
+        dropped) what was announced. Raises :class:`InvalidRequest` at once only for a
+        ``weight_version`` or ``group_name`` that is not a string (no group to receive over)."""
+        version = version_label(body.get("weight_version"))
+        group_name = body.get("group_name", "weight_update_group")
+        if not isinstance(group_name, str) or not group_name:
+            raise InvalidRequest("group_name", f"group_name must be a non-empty string, got "
+                                               f"{_shown(group_name)}")
+        specs: tuple[TensorSpec, ...] | None = None
+        timeout = DEFAULT_TIMEOUT
+        try:
+            specs = tuple(parse_specs(body.get("names"), body.get("dtypes"), body.get("shapes")))
+            timeout = float(_positive("timeout", body.get("timeout", DEFAULT_TIMEOUT)))
+            mode = parse_mode(body.get("weight_update_mode"))
+            scale = parse_scale(mode, body.get("lora_alpha"), body.get("lora_rank"))
+            bucket = body.get("bucket_bytes")
+            bucket_bytes = None if bucket is None else int(_positive("bucket_bytes", bucket, int))
+            targets = body.get("target_modules", ("transformer",))
+            if isinstance(targets, str) or not isinstance(targets, Sequence) \
+                    or len(targets) != 1 or not isinstance(targets[0], str):
+                raise InvalidRequest("target_modules", f"target_modules must name exactly one "
+                                                       f"module, got {_shown(targets)}")
+        except InvalidRequest as exc:
+            return RefusedBroadcast(group_name, specs, timeout, exc.field, exc.reason)
+        return cls(specs, group_name, (targets[0],), mode, scale.alpha, scale.rank, timeout,
+                   bucket_bytes, bool(body.get("flush_cache", False)), version)
+
+    def to_json(self) -> dict[str, Any]:
+        """The request as JSON (what rank 0 of a multi-rank server posts to the others)."""
+        return {**_specs_json(self.specs), "group_name": self.group_name,
+                "target_modules": list(self.target_modules),
+                "weight_update_mode": self.weight_update_mode, "lora_alpha": self.lora_alpha,
+                "lora_rank": self.lora_rank, "timeout": self.timeout,
+                "bucket_bytes": self.bucket_bytes, "flush_cache": self.flush_cache,
+                "weight_version": self.weight_version}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> DistributedUpdate:
+        """The request :meth:`to_json` gave (checked when it was parsed)."""
+        (target,) = value["target_modules"]
+        return cls(_specs_from_json(value), value["group_name"], (target,),
+                   value["weight_update_mode"], value["lora_alpha"], value["lora_rank"],
+                   value["timeout"], value["bucket_bytes"], value["flush_cache"],
+                   value["weight_version"])
+
+
+@dataclass(frozen=True)
+class RefusedBroadcast:
+    """A distributed update refused for its fields (:meth:`DistributedUpdate.parse`), still
+    carried to the group: the update receives the broadcast it announced (``specs``; None
+    when they could not be read: the group breaks instead, it cannot follow the trainer)
+    within ``timeout`` seconds, drops it, then raises :attr:`error`, naming ``field``."""
+
+    group_name: str
+    specs: tuple[TensorSpec, ...] | None
+    timeout: float
+    field: str
+    reason: str
+
+    @property
+    def error(self) -> InvalidRequest:
+        return InvalidRequest(self.field, self.reason)
+
+    def to_json(self) -> dict[str, Any]:
+        specs = None if self.specs is None else _specs_json(self.specs)
+        return {"group_name": self.group_name, "specs": specs, "timeout": self.timeout,
+                "refused": {"field": self.field, "reason": self.reason}}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> RefusedBroadcast:
+        specs = None if value["specs"] is None else _specs_from_json(value["specs"])
+        refused = value["refused"]
+        return cls(value["group_name"], specs, value["timeout"], refused["field"],
+                   refused["reason"])
+
+
+#: A distributed update as parsed: checked, or refused (and still received).
+Broadcast = DistributedUpdate | RefusedBroadcast
+
+
+def broadcast_from_json(value: Mapping[str, Any]) -> Broadcast:
+    """The request that ``to_json`` of a :class:`DistributedUpdate` or a
+    :class:`RefusedBroadcast` gave."""
+    return RefusedBroadcast.from_json(value) if "refused" in value else \
+        DistributedUpdate.from_json(value)
 
 
 # -- the bounds -------------------------------------------------------------------------
@@ -948,39 +1099,25 @@ class WeightSync:
             await self._drop(group)
 
     async def update(self, run: Callable[[Callable[[], UpdatePlan]], Awaitable[UpdateResult]],
-                     stores: Mapping[str, TensorStore], bases: LoraBases, *, names: object,
-                     dtypes: object, shapes: object, group_name: object,
-                     target_modules: object, weight_update_mode: object, lora_alpha: object,
-                     lora_rank: object, timeout: object, bucket_bytes: object) -> UpdateResult:
+                     stores: Mapping[str, TensorStore], bases: LoraBases,
+                     request: Broadcast) -> UpdateResult:
         """An update over the group: ``run(make_plan)`` is the controller's update road
         (lock, vote, gate, two-phase writes); around it the group is kept in step with the
-        trainer (see the module doc)."""
+        trainer (see the module doc): a :class:`RefusedBroadcast` is received, dropped,
+        then raised."""
         started = time.monotonic()
-        async with self._locked(group_name) as group:
-            return await self._update(run, stores, bases, group, names, dtypes, shapes,
-                                      target_modules, weight_update_mode, lora_alpha,
-                                      lora_rank, timeout, bucket_bytes, started)
-
-    async def _update(self, run: Callable[[Callable[[], UpdatePlan]], Awaitable[UpdateResult]],
-                      stores: Mapping[str, TensorStore], bases: LoraBases,
-                      group: WeightUpdateGroup, names: object, dtypes: object, shapes: object,
-                      target_modules: object, weight_update_mode: object, lora_alpha: object,
-                      lora_rank: object, timeout: object, bucket_bytes: object,
-                      started: float) -> UpdateResult:
-        async with self._in_step(group, started) as request:
-            request.specs = parse_specs(names, dtypes, shapes)
-            request.progress.total = len(request.specs)
-            request.deadline = started + float(_positive("timeout", timeout))
-            mode = parse_mode(weight_update_mode)
-            scale = parse_scale(mode, lora_alpha, lora_rank)
-            bucket = group.bucket_bytes if bucket_bytes is None else \
-                int(_positive("bucket_bytes", bucket_bytes, int))
-            if isinstance(target_modules, str) or not isinstance(target_modules, Sequence) \
-                    or len(target_modules) != 1 or not isinstance(target_modules[0], str):
-                raise InvalidRequest("target_modules", f"target_modules must name exactly one "
-                                                       f"module, got {_shown(target_modules)}")
-            target = target_modules[0]
-            specs, progress, deadline = request.specs, request.progress, request.deadline
+        async with self._locked(request.group_name) as group, \
+                self._in_step(group, started) as step:
+            step.specs = None if request.specs is None else list(request.specs)
+            step.progress.total = len(request.specs or ())
+            step.deadline = started + request.timeout
+            if isinstance(request, RefusedBroadcast):
+                raise request.error
+            specs, progress, deadline = step.specs, step.progress, step.deadline
+            assert specs is not None
+            bucket = group.bucket_bytes if request.bucket_bytes is None else request.bucket_bytes
+            target, mode, scale = request.target_modules[0], request.weight_update_mode, \
+                request.scale
             group.updates += 1
             return await run(lambda: plan_distributed(stores, group, specs, target, mode, scale,
                                                       bases, progress, deadline, bucket))

@@ -25,11 +25,13 @@ def test_lifecycle_all_is_exactly_its_public_names() -> None:
         "AdmissionTimeout", "CheckpointChanged", "CheckpointMismatch", "ComponentAsleep",
         "ComponentBusy", "ComponentNotPlaced",
         "ComponentPlacement",
-        "ComponentResidencyError", "DrainTimeout", "FSDPInferenceUnsupported", "GroupBroken",
+        "ComponentResidencyError", "DistributedUpdate", "DrainTimeout", "FSDPInferenceUnsupported",
+        "GroupBroken",
         "HandOffExceedsBudget",
         "HostBudgetExceeded", "HostBudgets",
         "LifecycleController", "LifecycleError", "OccupationResult", "Phase", "PlacementReport",
-        "RankChecksums", "RanksDisagree", "ResidencyChange", "ResidencyPlan", "InfeasibleBudget",
+        "RankChecksums", "RanksDisagree", "RefusedBroadcast", "ResidencyChange", "ResidencyPlan",
+        "InfeasibleBudget",
         "ResidencyError", "StoreError", "SyncLifecycleController", "TransitionFailed",
         "TransitionRejected", "UnsupportedCompute", "UpdateResult", "WeightUpdateWhileSleeping",
         "InvalidRequest", "UnknownComponent", "WeightSyncError", "WeightSyncGroupBroken",
@@ -245,3 +247,22 @@ def test_payload_imports_only_torch_and_the_standard_library() -> None:
         private = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                    and (node.module or "").startswith(("payload._", "lifecycle.payload._"))]
         assert path.parent.name == "payload" or not private, f"{path}: {private}"
+
+
+#: lifecycle.http's modules that must not import the routes or the app: bodies and state are
+#: what the routes stand on, the answers and the route modules of _control and _transfer are
+#: what the table in _routes gathers.
+_BELOW_THE_ROUTES = ("_bodies", "_state", "_answers", "_control", "_transfer")
+
+
+def test_the_http_package_imports_downwards_from_the_app_to_the_routes_to_the_bodies() -> None:
+    """Inside lifecycle.http: the bodies, the service state, the shared answers and the route
+    modules the table gathers import neither lifecycle.http._routes nor lifecycle.http._app;
+    lifecycle.http._routes does not import lifecycle.http._app."""
+    root = Path(lifecycle.__file__).parent / "http"
+    rules = {**{name: ("lifecycle.http._routes", "lifecycle.http._app")
+                for name in _BELOW_THE_ROUTES}, "_routes": ("lifecycle.http._app",)}
+    for name, forbidden in rules.items():
+        path = root / f"{name}.py"
+        bad = [(n, m) for n, m in _imports(path) if _within(m, *forbidden)]
+        assert not bad, f"{path}: {bad}"

@@ -260,7 +260,7 @@ def check_residency(argv: list[str], where: str) -> None:
 
 
 def check_curl(argv: list[str], where: str) -> None:
-    from lifecycle.http._app import ROUTES
+    from lifecycle.http._routes import ROUTES
 
     method, urls, i = "GET", list[str](), 1
     while i < len(argv):

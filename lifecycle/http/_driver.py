@@ -26,6 +26,7 @@ from .. import (
     WeightUpdateGroupResult,
 )
 from .._discard import Discard
+from .._weight_sync import Broadcast
 from ..payload import FD_TIMEOUT, TransportError, decode_base64, decode_modules
 from ._checker import WeightsChecker
 from ._wire import Decoded, TensorRequest, WireRefused, decode_entry, device_uuid, pick_entry
@@ -193,7 +194,7 @@ class Driver:
                                         ) -> WeightUpdateGroupResult:
         raise NotImplementedError
 
-    async def update_weights_from_distributed(self, args: Mapping[str, Any]) -> UpdateResult:
+    async def update_from_broadcast(self, request: Broadcast) -> UpdateResult:
         raise NotImplementedError
 
     async def destroy_weights_update_group(self, group_name: str) -> WeightUpdateGroupResult:
@@ -347,8 +348,8 @@ class LocalDriver(Driver):
                                         ) -> WeightUpdateGroupResult:
         return await self.ctl.init_weights_update_group(**args)
 
-    async def update_weights_from_distributed(self, args: Mapping[str, Any]) -> UpdateResult:
-        return await self.ctl.update_weights_from_distributed(**args)
+    async def update_from_broadcast(self, request: Broadcast) -> UpdateResult:
+        return await self.ctl.update_from_broadcast(request)
 
     async def destroy_weights_update_group(self, group_name: str) -> WeightUpdateGroupResult:
         return await self.ctl.destroy_weights_update_group(group_name)

@@ -27,6 +27,7 @@ from .. import (
     WeightUpdateGroupResult,
 )
 from .._discard import Discard
+from .._weight_sync import Broadcast, broadcast_from_json
 from ._channel import OpChannel, describe
 from ._driver import LocalDriver, Modules, local_state
 from ._wire import Decoded, TensorRequest, WireRefused, group_refusal
@@ -158,15 +159,28 @@ class CheckWeights(Op[tuple[bool, str]]):
 
 
 @dataclass(frozen=True)
-class SetWeightVersion(Op[None]):
+class _Done(Op[None]):
+    """An op with nothing to answer but that it ran."""
+
+    def answer(self, result: None) -> dict[str, Any]:
+        return {"success": True}
+
+
+@dataclass(frozen=True)
+class _Staged(Op[dict[str, int] | None]):
+    """An op that stages tensors for a transaction: answers what it staged."""
+
+    def answer(self, result: dict[str, int] | None) -> dict[str, Any]:
+        return {"staged": result}
+
+
+@dataclass(frozen=True)
+class SetWeightVersion(_Done):
     name = "set_weight_version"
     label: str
 
     async def run(self, ctx: RankContext) -> None:
         await ctx.local.set_weight_version(self.label)
-
-    def answer(self, result: None) -> dict[str, Any]:
-        return {"success": True}
 
 
 @dataclass(frozen=True)
@@ -241,18 +255,25 @@ class InitGroup(Op[WeightUpdateGroupResult]):
 
 @dataclass(frozen=True)
 class UpdateFromDistributed(Op[UpdateResult]):
-    """An update over a group, once every rank has the group unbroken (``agree``); ``args``
-    as the route read them (checked by the controller, which still drains the broadcast
-    when it refuses)."""
+    """An update over a group, once every rank has the group unbroken (``agree``); a
+    refused request too: every rank still receives the broadcast it announced."""
 
     name = "update_weights_from_distributed"
-    args: dict[str, Any]
+    request: Broadcast
     agree_timeout: float
 
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.name, "args": {"request": self.request.to_json(),
+                                          "agree_timeout": self.agree_timeout}}
+
+    @classmethod
+    def from_json(cls, args: Mapping[str, Any]) -> Self:
+        return cls(broadcast_from_json(args["request"]), args["agree_timeout"])
+
     async def run(self, ctx: RankContext) -> UpdateResult:
-        await _ready(ctx.local.ctl, ctx.channel, ctx.seq, str(self.args.get("group_name")),
+        await _ready(ctx.local.ctl, ctx.channel, ctx.seq, self.request.group_name,
                      self.agree_timeout)
-        return await ctx.local.update_weights_from_distributed(self.args)
+        return await ctx.local.update_from_broadcast(self.request)
 
 
 @dataclass(frozen=True)
@@ -265,7 +286,7 @@ class DestroyGroup(Op[WeightUpdateGroupResult]):
 
 
 @dataclass(frozen=True)
-class StageIpc(Op[dict[str, int] | None]):
+class StageIpc(_Staged):
     """vLLM's ipc ``update_info`` staged on every rank (rank 0's payload from memory, the
     others' from the store under ``key``)."""
 
@@ -284,12 +305,9 @@ class StageIpc(Op[dict[str, int] | None]):
         return await _staged_everywhere(ctx.local, ctx.channel, ctx.seq, self.serial, arrive,
                                         self.agree_timeout)
 
-    def answer(self, result: dict[str, int] | None) -> dict[str, Any]:
-        return {"staged": result}
-
 
 @dataclass(frozen=True)
-class StageReceived(Op[dict[str, int] | None]):
+class StageReceived(_Staged):
     """The trainer's broadcast received by every rank in its group and staged."""
 
     name = "stage_received"
@@ -306,9 +324,6 @@ class StageReceived(Op[dict[str, int] | None]):
                 self.serial, self.names, self.dtypes, self.shapes, self.timeout),
             self.agree_timeout)
 
-    def answer(self, result: dict[str, int] | None) -> dict[str, Any]:
-        return {"staged": result}
-
 
 @dataclass(frozen=True)
 class CommitStaged(Op[UpdateResult]):
@@ -323,15 +338,12 @@ class CommitStaged(Op[UpdateResult]):
 
 
 @dataclass(frozen=True)
-class DropStaged(Op[None]):
+class DropStaged(_Done):
     name = "drop_staged"
     serial: int
 
     async def run(self, ctx: RankContext) -> None:
         await ctx.local.drop_staged(self.serial)
-
-    def answer(self, result: None) -> dict[str, Any]:
-        return {"success": True}
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from .. import (
     WeightUpdateGroupResult,
 )
 from .._discard import Discard
+from .._weight_sync import Broadcast
 from ._channel import HEARTBEAT_S, OpChannel, describe
 from ._driver import Driver, LocalDriver, RanksUnavailable, Upload
 from ._ops import (
@@ -347,8 +348,8 @@ class RankDriver(Driver):
         mine, answers = await self._call(InitGroup(dict(args)))
         return self._joined(str(args.get("group_name")), mine, answers)
 
-    async def update_weights_from_distributed(self, args: Mapping[str, Any]) -> UpdateResult:
-        return await self._mine(UpdateFromDistributed(dict(args), self.timeout))
+    async def update_from_broadcast(self, request: Broadcast) -> UpdateResult:
+        return await self._mine(UpdateFromDistributed(request, self.timeout))
 
     async def destroy_weights_update_group(self, group_name: str) -> WeightUpdateGroupResult:
         mine, answers = await self._call(DestroyGroup(group_name))

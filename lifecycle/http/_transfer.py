@@ -52,8 +52,10 @@ from starlette.responses import JSONResponse, Response
 from strategies import ResidencyError
 
 from .._weight_sync import WeightSyncTransferFailed
-from ._app import _body, _refused, _Service, _service, _update_response
+from ._answers import Routes, update_response
+from ._bodies import json_body, refused
 from ._driver import TRANSFER_GROUP, RanksUnavailable
+from ._state import Service, service_of
 from ._wire import WireRefused
 
 __all__ = ["TRANSFER_ROUTES", "WeightTransfer"]
@@ -83,16 +85,16 @@ class WeightTransfer:
         return self.active and time.monotonic() - self.started > self.timeout
 
 
-def _transfer(service: _Service) -> WeightTransfer:
+def _transfer(service: Service) -> WeightTransfer:
     transfer: WeightTransfer = service.transfer
     return transfer
 
 
 def _conflict(message: str) -> Exception:
-    return _refused(message, 409, detail=message)
+    return refused(message, 409, detail=message)
 
 
-async def _end(service: _Service, transfer: WeightTransfer) -> None:
+async def _end(service: Service, transfer: WeightTransfer) -> None:
     transfer.active = False
     with contextlib.suppress(RanksUnavailable):  # a rank gone: its staging went with it
         await service.driver.drop_staged(transfer.serial)
@@ -101,41 +103,41 @@ async def _end(service: _Service, transfer: WeightTransfer) -> None:
         service.generations.resume()
 
 
-async def _roll_back(service: _Service, transfer: WeightTransfer, why: str) -> None:
+async def _roll_back(service: Service, transfer: WeightTransfer, why: str) -> None:
     """Abandon the transaction: drop what is staged (nothing was written)."""
     transfer.abandoned = why
     await _end(service, transfer)
 
 
-async def _check_expiry(service: _Service, transfer: WeightTransfer) -> None:
+async def _check_expiry(service: Service, transfer: WeightTransfer) -> None:
     if transfer.expired():
         await _roll_back(service, transfer, f"not finished within {transfer.timeout:g} s of "
                                             "its start (the trainer gone?); rolled back")
 
 
 async def init_weight_transfer_engine(request: Request) -> Response:
-    service = _service(request)
+    service = service_of(request)
     transfer = _transfer(service)
-    body = await _body(request, service.body_limit)
+    body = await json_body(request, service.body_limit)
     info = body.get("init_info")
     if info is None:
-        raise _refused("Missing 'init_info' in request body")
+        raise refused("Missing 'init_info' in request body")
     if not isinstance(info, dict):
-        raise _refused(f"init_info must be an object, got {type(info).__name__}")
+        raise refused(f"init_info must be an object, got {type(info).__name__}")
     if transfer.active:
         raise _conflict(_STARTED)
     timeout = info.get("update_timeout", DEFAULT_TIMEOUT)  # ours: seconds start -> finish
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise _refused(f"init_info.update_timeout must be a number of seconds above 0, got "
-                       f"{str(timeout)[:40]}")
+        raise refused(f"init_info.update_timeout must be a number of seconds above 0, got "
+                      f"{str(timeout)[:40]}")
     transfer.timeout = float(timeout)
     if "master_address" not in info:
         transfer.backend = "ipc"
         return JSONResponse({"message": "Weight transfer initialized", "backend": "ipc"})
     if not service.process_groups:  # it joins a trainer's group: opt-in, as the group routes
-        raise _refused("the nccl weight transfer is disabled on this server: it connects to a "
-                       "trainer the client names; serve with --api-key KEY, or with "
-                       "--allow-process-groups on a trusted network", 403)
+        raise refused("the nccl weight transfer is disabled on this server: it connects to a "
+                      "trainer the client names; serve with --api-key KEY, or with "
+                      "--allow-process-groups on a trusted network", 403)
     args: dict[str, Any] = {
         "master_address": info.get("master_address"), "master_port": info.get("master_port"),
         "rank_offset": info.get("rank_offset"), "world_size": info.get("world_size"),
@@ -146,15 +148,15 @@ async def init_weight_transfer_engine(request: Request) -> Response:
     await service.driver.destroy_weights_update_group(GROUP)
     result = await service.driver.init_weights_update_group(args)
     if not result.success:
-        raise _refused(result.message)
+        raise refused(result.message)
     transfer.backend = "nccl"
     return JSONResponse({"message": "Weight transfer initialized", "backend": "nccl"})
 
 
 async def start_weight_update(request: Request) -> Response:
-    service = _service(request)
+    service = service_of(request)
     transfer = _transfer(service)
-    await _body(request, service.body_limit)
+    await json_body(request, service.body_limit)
     await _check_expiry(service, transfer)
     if transfer.backend is None:
         raise _conflict("start_weight_update requires a preceding init_weight_transfer_engine. "
@@ -170,9 +172,9 @@ async def start_weight_update(request: Request) -> Response:
 
 
 async def update_weights(request: Request) -> Response:
-    service = _service(request)
+    service = service_of(request)
     transfer = _transfer(service)
-    body = await _body(request, service.upload_limit)
+    body = await json_body(request, service.upload_limit)
     info = body.get("update_info")
     await _check_expiry(service, transfer)
     if not transfer.active:
@@ -180,9 +182,9 @@ async def update_weights(request: Request) -> Response:
             f"{_NOT_STARTED} (the last update was abandoned: {transfer.abandoned})"
         raise _conflict(message)
     if info is None:
-        raise _refused("Missing 'update_info' in request body")
+        raise refused("Missing 'update_info' in request body")
     if not isinstance(info, dict):
-        raise _refused(f"update_info must be an object, got {type(info).__name__}")
+        raise refused(f"update_info must be an object, got {type(info).__name__}")
     serial = transfer.serial
     if transfer.backend == "ipc":  # every rank decodes it (a rank that cannot: all refuse)
         staged = await service.driver.stage_ipc(serial, info)
@@ -194,7 +196,7 @@ async def update_weights(request: Request) -> Response:
     return JSONResponse({"message": "Weights updated", "staged": staged})
 
 
-async def _receive(service: _Service, transfer: WeightTransfer, info: Mapping[str, Any]
+async def _receive(service: Service, transfer: WeightTransfer, info: Mapping[str, Any]
                    ) -> dict[str, int] | None:
     """nccl: every rank receives the broadcast into host tensors (lifecycle._weight_sync) and
     stages them by module; nothing is written before finish. A failure on any rank rolls the
@@ -206,10 +208,10 @@ async def _receive(service: _Service, transfer: WeightTransfer, info: Mapping[st
         await _roll_back(service, transfer, "update_info was not names, dtype_names and "
                                             "shapes of one length (the broadcast cannot be "
                                             "received)")
-        raise _refused("update_info needs names, dtype_names and shapes, lists of one length")
+        raise refused("update_info needs names, dtype_names and shapes, lists of one length")
     if info.get("packed"):
         await _roll_back(service, transfer, "a packed broadcast is not received here")
-        raise _refused("packed broadcasts are not supported; send packed=false")
+        raise refused("packed broadcasts are not supported; send packed=false")
     serial = transfer.serial
     left = max(0.001, transfer.started + transfer.timeout - time.monotonic())
     try:
@@ -217,16 +219,16 @@ async def _receive(service: _Service, transfer: WeightTransfer, info: Mapping[st
     except (ResidencyError, WeightSyncTransferFailed, WireRefused, RanksUnavailable) as exc:
         if transfer.serial == serial and transfer.active:
             await _roll_back(service, transfer, str(exc))
-        raise _refused(str(exc), rolled_back=True) from None
+        raise refused(str(exc), rolled_back=True) from None
 
 
 async def finish_weight_update(request: Request) -> Response:
-    service = _service(request)
+    service = service_of(request)
     transfer = _transfer(service)
-    body = await _body(request, service.body_limit)
+    body = await json_body(request, service.body_limit)
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str | int):
-        raise _refused(f"weight_version must be a string, got {type(version).__name__}")
+        raise refused(f"weight_version must be a string, got {type(version).__name__}")
     await _check_expiry(service, transfer)
     if not transfer.active:
         message = _FINISH_NOT_STARTED if transfer.abandoned is None else \
@@ -235,22 +237,22 @@ async def finish_weight_update(request: Request) -> Response:
     label = None if version is None else str(version)
     if not await service.driver.staged(transfer.serial):
         await _end(service, transfer)
-        raise _refused("no weights were sent between start and finish; nothing changed")
+        raise refused("no weights were sent between start and finish; nothing changed")
     try:  # everything staged, as one update on every rank (all or nothing)
         result = await service.driver.commit_staged(transfer.serial, label)
     except RanksUnavailable as exc:
         transfer.abandoned = str(exc)
-        raise _refused(str(exc), 503) from None
+        raise refused(str(exc), 503) from None
     finally:
         await _end(service, transfer)
     if not result.success:
         transfer.abandoned = result.message
-        return _update_response(result)
+        return update_response(result)
     return JSONResponse({"message": "Weight update finished",
                          "weight_version": service.ctl.weight_version_label})
 
 
-async def abandon_after(service: _Service) -> None:
+async def abandon_after(service: Service) -> None:
     """Roll an unfinished transaction back once it outlived its timeout (run by the server's
     lifespan: one watchdog for every transaction; without one, the next call does it)."""
     transfer = _transfer(service)
@@ -261,7 +263,7 @@ async def abandon_after(service: _Service) -> None:
         await _check_expiry(service, transfer)
 
 
-TRANSFER_ROUTES: dict[str, tuple[Any, tuple[str, ...], bool]] = {
+TRANSFER_ROUTES: Routes = {
     "/init_weight_transfer_engine": (init_weight_transfer_engine, ("POST",), True),
     "/start_weight_update": (start_weight_update, ("POST",), True),
     "/update_weights": (update_weights, ("POST",), True),

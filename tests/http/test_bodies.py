@@ -12,15 +12,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lifecycle.http._app import _SPAN_MIN, BadRequest, _parse, _Span
+from lifecycle.http._bodies import SPAN_MIN, BadRequest, Span, parse
 from lifecycle.payload import TransportError, decode_base64
 
 _short = st.text(max_size=12)
-# At least _SPAN_MIN characters: a short random unit repeated (drawing 4096 characters one by
+# At least SPAN_MIN characters: a short random unit repeated (drawing 4096 characters one by
 # one is slow), then a random tail.
 _long = st.tuples(st.text(alphabet=st.sampled_from("AZaz09+/=\"\\é\u2603\U0001f600 "),
                           min_size=1, max_size=6), _short).map(
-    lambda parts: parts[0] * (_SPAN_MIN // len(parts[0]) + 1) + parts[1])
+    lambda parts: parts[0] * (SPAN_MIN // len(parts[0]) + 1) + parts[1])
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | _short | _long,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_short | _long, inner, max_size=3),
@@ -28,8 +28,8 @@ _json = st.recursive(
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with every :class:`_Span` read back as the string it stands for."""
-    if isinstance(value, _Span):
+    """``value`` with every :class:`Span` read back as the string it stands for."""
+    if isinstance(value, Span):
         return json.loads(b'"' + bytes(value.view) + b'"')
     if isinstance(value, dict):
         return {_plain(k): _plain(v) for k, v in value.items()}
@@ -45,7 +45,7 @@ def test_long_strings_become_views_and_the_rest_parses_as_json_does(
     """Whatever the body (quotes, backslashes, any Unicode, long keys): reading it with spans
     gives what json.loads gives, long escape-free strings as views of the buffer."""
     raw = bytearray(json.dumps(body, ensure_ascii=ascii_only).encode())
-    parsed = _parse(raw, spans=len(raw) + 1)
+    parsed = parse(raw, spans=len(raw) + 1)
     assert _plain(parsed) == body
 
 
@@ -54,9 +54,9 @@ def test_the_json_around_the_long_strings_is_bounded() -> None:
     raw = bytearray(json.dumps({"serialized_named_tensors": ["A" * 10_000],
                                 "pad": list(range(1000))}).encode())
     with pytest.raises(BadRequest) as caught:
-        _parse(raw, spans=1000)
+        parse(raw, spans=1000)
     assert caught.value.status == 413 and "outside its long strings" in str(caught.value)
-    assert isinstance(_parse(raw, spans=len(raw))["serialized_named_tensors"][0], _Span)
+    assert isinstance(parse(raw, spans=len(raw))["serialized_named_tensors"][0], Span)
 
 
 @settings(max_examples=60, deadline=None)

@@ -10,14 +10,18 @@ from typing import Any
 
 import pytest
 
-from lifecycle.http._ops import OPS, Op
+from lifecycle import DistributedUpdate, RefusedBroadcast
+from lifecycle.http._ops import OPS, Op, UpdateFromDistributed
 
 #: A value of each field type an op has (JSON-able, as rank 0 posts them).
 _SAMPLES: dict[str, Any] = {
     "str": "x", "int": 3, "float": 1.5, "bool": True, "str | None": None,
     "list[str] | None": ["transformer"], "list[str]": ["a.weight"], "dict[str, str]": {"a": "b"},
     "dict[str, int]": {"1": 0}, "dict[str, Any]": {"group_name": "g"},
-    "list[list[int]]": [[2, 3]], "Discard": ["vae"]}
+    "list[list[int]]": [[2, 3]], "Discard": ["vae"],
+    "Broadcast": DistributedUpdate.parse(
+        {"names": ["a.weight"], "dtypes": ["bfloat16"], "shapes": [[2, 3]], "lora_rank": 4,
+         "weight_update_mode": "lora_merge", "bucket_bytes": 64, "weight_version": "7"})}
 
 
 def _sample(op: type[Op[Any]]) -> Op[Any]:
@@ -41,3 +45,16 @@ def test_the_op_table_names_every_op_once_and_each_runs_on_a_rank() -> None:
     for name, cls in OPS.items():
         assert cls.run is not Op.run, name
         assert typing.get_type_hints(cls.run)  # typed: what it returns rank 0 uses as is
+
+
+def test_a_refused_broadcast_travels_to_every_rank_as_posted() -> None:
+    """A distributed update refused for a field (every rank still receives its broadcast)
+    reads back on the other ranks as the same refusal, naming the same field; so does one
+    whose tensor list could not be read (the ranks break the group instead)."""
+    for body in ({"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "timeout": 0},
+                 {"names": ["a"], "dtypes": ["float33"], "shapes": [[1]]}):
+        refusal = DistributedUpdate.parse(body)
+        assert isinstance(refusal, RefusedBroadcast)
+        op = UpdateFromDistributed(refusal, 5.0)
+        posted = json.loads(json.dumps(op.to_json()))
+        assert OPS[posted["op"]].from_json(posted["args"]) == op

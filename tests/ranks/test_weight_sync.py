@@ -5,6 +5,7 @@ LoRA merges over the group."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -18,15 +19,17 @@ import torch.distributed as dist
 from torch import nn
 
 from lifecycle import (
+    DistributedUpdate,
     InvalidRequest,
     LifecycleController,
+    RefusedBroadcast,
     SyncLifecycleController,
     WeightSyncGroupBroken,
     WeightSyncGroupMissing,
     WeightUpdateWhileSleeping,
 )
 from lifecycle._checksum import reference_checksum
-from lifecycle._weight_sync import parse_specs
+from lifecycle._weight_sync import TensorSpec, broadcast_from_json, parse_specs
 from tests.helpers import faulty_device, layer, small_pipeline
 from tests.models.zoo import CASES
 from tests.ranks.test_collective import TIMEOUT, run_ranks
@@ -278,6 +281,13 @@ async def test_refusals_come_before_the_broadcast_and_keep_the_trainer_in_step(
         with pytest.raises(InvalidRequest, match="weight_update_mode must be one of"):
             await ctl.update_weights_from_distributed(**metadata(good), weight_update_mode="bad")
         assert trainer.result()[0] == "broadcast"
+        refusal = DistributedUpdate.parse({**metadata(good), "bucket_bytes": 0})
+        assert isinstance(refusal, RefusedBroadcast)
+        trainer.broadcast(list(good.values()))
+        with pytest.raises(InvalidRequest, match="bucket_bytes must be a positive int") as info:
+            await ctl.update_from_broadcast(refusal)
+        assert info.value.field == "bucket_bytes"
+        assert trainer.result()[0] == "broadcast"
         await ctl.sleep()
         trainer.broadcast(list(good.values()))
         with pytest.raises(WeightUpdateWhileSleeping):
@@ -385,6 +395,59 @@ async def test_unreadable_metadata_breaks_the_group_and_a_second_init_is_refused
         with pytest.raises(WeightSyncGroupBroken):
             await ctl.update_weights_from_distributed(["0.bias"], ["float32"], [[32]])
         trainer.kill()
+
+
+def test_a_distributed_update_is_parsed_into_types_and_a_bad_field_is_a_refusal_naming_it(
+        ) -> None:
+    """parse gives the typed request (defaults for absent fields); a field it refuses comes
+    back as a RefusedBroadcast naming the field, with the tensors it can still receive (none
+    when the list is unreadable) and the timeout to receive them in; a group name or a
+    weight version that is not a string is raised at once (there is nothing to receive)."""
+    body: dict[str, Any] = {"names": ["a", "b"], "dtypes": ["torch.bfloat16", "int8"],
+                            "shapes": [[2, 3], []], "timeout": 5, "weight_version": "v"}
+    update = DistributedUpdate.parse(body)
+    assert update == DistributedUpdate(
+        (TensorSpec("a", torch.bfloat16, (2, 3)), TensorSpec("b", torch.int8, ())),
+        timeout=5.0, weight_version="v")
+    specs = update.specs if isinstance(update, DistributedUpdate) else None
+    refusals: list[tuple[dict[str, Any], str, str, bool, float]] = [
+            ({"timeout": 0}, "timeout", "timeout must be a positive float, got 0", True, 60.0),
+            ({"weight_update_mode": "bad"}, "weight_update_mode", "weight_update_mode must be "
+             "one of ['full', 'lora_merge'], got 'bad'", True, 5.0),
+            ({"weight_update_mode": "lora_merge", "lora_rank": 0}, "lora_rank",
+             "lora_rank must be an integer >= 1, got 0", True, 5.0),
+            ({"bucket_bytes": 1.5}, "bucket_bytes", "bucket_bytes must be a positive int, got "
+             "1.5", True, 5.0),
+            ({"target_modules": ["a", "b"]}, "target_modules", "target_modules must name "
+             "exactly one module, got ['a', 'b']", True, 5.0),
+            ({"dtypes": ["float33", "int8"]}, "dtypes", "dtypes must be torch dtype names",
+             False, 60.0)]
+    for change, field, message, kept, timeout in refusals:
+        refusal = DistributedUpdate.parse(body | change)
+        assert isinstance(refusal, RefusedBroadcast), change
+        assert (refusal.field, refusal.error.field) == (field, field)
+        assert str(refusal.error).startswith(message), refusal.reason
+        assert (refusal.specs == specs if kept else refusal.specs is None), change
+        assert (refusal.group_name, refusal.timeout) == (GROUP, timeout)
+    raised: list[tuple[dict[str, Any], str]] = [
+        ({"group_name": 3}, "group_name"), ({"group_name": ""}, "group_name"),
+        ({"weight_version": 3}, "weight_version")]
+    for change, field in raised:
+        with pytest.raises(InvalidRequest) as info:
+            DistributedUpdate.parse(body | change)
+        assert info.value.field == field
+
+
+def test_a_distributed_update_and_a_refusal_read_back_from_their_json_are_equal() -> None:
+    """to_json survives JSON (how the ranks of a server pass it on) and reads back equal."""
+    for body in ({"names": ["x.lora_A.weight"], "dtypes": ["float32"], "shapes": [[4, 16]],
+                  "weight_update_mode": "lora_merge", "lora_alpha": 8, "lora_rank": 4,
+                  "group_name": "g", "target_modules": ["vae"], "bucket_bytes": 1024,
+                  "flush_cache": True, "weight_version": "3"},
+                 {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "timeout": -1},
+                 {"names": "a", "dtypes": ["float32"], "shapes": [[1]]}):
+        request = DistributedUpdate.parse(body)
+        assert broadcast_from_json(json.loads(json.dumps(request.to_json()))) == request
 
 
 def test_tensor_lists_are_read_strictly() -> None:
