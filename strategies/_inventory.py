@@ -508,10 +508,12 @@ class _Taking:
 
 
 def take_inventory(name: str, module: nn.Module, device: torch.device,
+                   on_device: Callable[[torch.Tensor], bool],
                    layer_keys: Sequence[str] = (), *, whole: bool = False,
                    refuse_dtensors: bool = True, layout: Inventory | None = None,
                    stale: Collection[int] = ()) -> Inventory:
-    """The inventory of ``module`` (component ``name``) for a layer on ``device``.
+    """The inventory of ``module`` (component ``name``) for a layer on ``device`` whose
+    device tier holds the tensors ``on_device`` accepts (``DeviceLayer.on_device``).
 
     ``layer_keys``: dotted prefixes (``"blocks.3"``) whose tensors form one unit each; every
     other storage is a unit of its own. ``whole``: the whole module is one unit.
@@ -571,7 +573,7 @@ def take_inventory(name: str, module: nn.Module, device: torch.device,
     for slot in all_slots:
         slot.stale = id(slot.tensor) in stale
     for u in units:
-        u.where = "device" if all(s.tensor.device == device for s in u.slot_list) else "host"
+        u.where = "device" if all(on_device(s.tensor) for s in u.slot_list) else "host"
         for slot in u.slot_list:
             slot.record()
     return Inventory(units, all_slots, taking.derived(units, slots),

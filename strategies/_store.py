@@ -189,7 +189,8 @@ class TensorStore:
         # strategies.devices._vmm), else None (device buffers from the layer's allocator).
         self.arena: Arena | None = None
         # (``layout``'s inventory is taken over, not the store: its buffers are not kept alive.)
-        self._take(layout.inventory if layout is not None else None)
+        inventory = layout.inventory if layout is not None else None
+        self._install(self._inventory(inventory), counted=layout is not None)
 
     def add_pending(self, nbytes: int) -> None:
         """Count device bytes allocated for a move in flight (negative: no longer)."""
@@ -197,11 +198,15 @@ class TensorStore:
             self.pending_bytes += nbytes
 
     # -- inventory (see strategies._inventory) ---------------------------------------
-    def _take(self, layout: Inventory | None, stale: Collection[int] = ()) -> None:
-        self.inventory = take_inventory(
-            self.name, self.module, self.layer.device, self.layer_keys, whole=self.whole,
-            refuse_dtensors=self.refuse_dtensors, layout=layout, stale=stale)
-        if layout is None:
+    def _inventory(self, layout: Inventory | None, stale: Collection[int] = ()) -> Inventory:
+        return take_inventory(
+            self.name, self.module, self.layer.device, self.layer.on_device, self.layer_keys,
+            whole=self.whole, refuse_dtensors=self.refuse_dtensors, layout=layout, stale=stale)
+
+    def _install(self, inventory: Inventory, counted: bool) -> None:
+        """Make ``inventory`` the store's (``counted``: its device storages are held already)."""
+        self.inventory = inventory
+        if not counted:
             # The module's own device storages (attach, rescan) count as held. A regrouped
             # store's are the old store's buffers, counted already (and on the CPU a host
             # mirror is a "cpu" tensor too: never count it).
@@ -271,7 +276,20 @@ class TensorStore:
             raise StoreError(f"component {self.name!r} was changed behind the controller while "
                              f"offloaded: {', '.join(changes[:8])}{more}; the controller does "
                              "not adopt that: detach it, change it, and attach it again")
-        self._take(None, self.inventory.stale_ids())
+        inventory = self._inventory(None, self.inventory.stale_ids())
+        on_host = sorted(s.names[0] for u in inventory.units if u.where == "host"
+                         for s in u.slot_list if not self.layer.on_device(s.tensor))
+        if on_host:
+            # Placed, every unit is on the device: a tensor put in host memory behind the
+            # controller has no mirror and no move that would bring it there.
+            more = f", and {len(on_host) - 8} more" if len(on_host) > 8 else ""
+            raise StoreError(
+                f"component {self.name!r} is placed on {self.layer.device}, but "
+                f"{', '.join(repr(n) for n in on_host[:8])}{more} now hold host memory "
+                "(replaced behind the controller); give them tensors on the device "
+                f"({self.layer.device}), write new values in place (an update), or detach and "
+                "attach again")
+        self._install(inventory, counted=False)
 
     def note_training_forward(self, module: nn.Module) -> None:
         """``module`` ran a forward in training mode: its buffers may have been written by

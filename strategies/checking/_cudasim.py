@@ -59,19 +59,25 @@ CPU tensors stand for device memory; the simulator models what matters for corre
   unregistered while a copy not waited for uses it; a blocking call (a host wait,
   ``empty_cache``, ``cudaHostRegister``, ``cudaHostUnregister``, an allocation under memory
   pressure) on a thread running an event loop.
+* **Device memory that arrives from the host** (``host_modules``, or
+  ``RESIDENCY_SIM_HOST_MODULES=1`` for every simulated GPU made without it): only the
+  simulator's own allocations (and storages the layer adopts, weights compute made) are
+  device memory; every other CPU tensor, a model built on the CPU among them, is host memory,
+  so attaching it takes the path a GPU takes (host units, mirrors registered, copies to the
+  device). Off by default: the simulated device is ``cpu``, and then every CPU tensor a module
+  brings (but the layer's own host buffers and pinned ranges) is device memory, adopted as is.
 
 :func:`check_cuda_sim` (a test's teardown) returns what was recorded since the last check and
 the copies nobody ever waited for, then lands everything, so the next test starts clean.
 
-Not modelled: device memory distinct from host memory (the simulated device is ``cpu``: every
-tensor a module brings is adopted as device memory, so a model built on the host never takes
-the host-to-device attach path here; a GPU run does), kernels other than module forwards
-(functional calls on weights outside a module, an optimizer's in-place step), torch's pinned
-host allocator (``pin_memory=True`` needs an accelerator build of torch: a CPU build refuses
-it), graph capture beyond the flag :meth:`SimCuda.capture` sets, several host threads' own
-views of completion (one host vector for the process), the driver's pageable staging beyond
-its blocking rules (a device-to-pageable copy returns only once landed; a pageable-to-device
-one once its source was read).
+Not modelled: device memory distinct from host memory by default (see ``host_modules``;
+tensors a forward makes are host memory even then: compute runs on the CPU), kernels other
+than module forwards (functional calls on weights outside a module, an optimizer's in-place
+step), torch's pinned host allocator (``pin_memory=True`` needs an accelerator build of torch:
+a CPU build refuses it), graph capture beyond the flag :meth:`SimCuda.capture` sets, several
+host threads' own views of completion (one host vector for the process), the driver's
+pageable staging beyond its blocking rules (a device-to-pageable copy returns only once
+landed; a pageable-to-device one once its source was read).
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ import bisect
 import contextlib
 import itertools
 import mmap
+import os
 import random
 import sys
 import threading
@@ -97,7 +104,12 @@ import torch
 from ..devices import MemoryStats
 from ._ordering import POISON, OrderingViolation, Violations, poison
 
-__all__ = ["POISON", "CudaSimViolation", "SimCuda", "SimEvent", "SimStream", "check_cuda_sim"]
+__all__ = ["HOST_MODULES_ENV", "POISON", "CudaSimViolation", "SimCuda", "SimEvent", "SimStream",
+           "check_cuda_sim"]
+
+#: Environment variable: ``1`` makes every simulated GPU built without ``host_modules`` keep
+#: device memory distinct from host memory (see the module doc).
+HOST_MODULES_ENV = "RESIDENCY_SIM_HOST_MODULES"
 
 _MIN_BLOCK = 512
 #: The library workspace the simulated GPUs of the checking layers (and the tests' fixtures)
@@ -472,7 +484,8 @@ class SimCuda:
     """One simulated GPU (see the module doc). ``index``: the ordinal it pretends to have
     (1 by default, so that calls made with another device current are seen); ``capacity``:
     its memory; ``locked_limit``: host bytes that may be page-locked; ``max_lag``: seconds
-    of random delay (``seed``) before queued work lands."""
+    of random delay (``seed``) before queued work lands; ``host_modules``: only its own
+    allocations are device memory, not every CPU tensor (None: :data:`HOST_MODULES_ENV`)."""
 
     simulated = True
 
@@ -480,8 +493,13 @@ class SimCuda:
                  locked_limit: int = 64 * 2**30, max_lag: float = 0.002, seed: int = 0,
                  name: str | None = None, exact_segments: bool = False,
                  stream_error: int = 0, register_error: int = 0,
-                 register_rate: float = 64 * 2**30, workspace_bytes: int = 0) -> None:
+                 register_rate: float = 64 * 2**30, workspace_bytes: int = 0,
+                 host_modules: bool | None = None) -> None:
         self.index = index
+        # Whether device memory is only what the simulator allocated (and the layer adopted):
+        # a CPU tensor a module brings is then host memory, as on a GPU.
+        self.host_modules = os.environ.get(HOST_MODULES_ENV) == "1" if host_modules is None \
+            else host_modules
         # Every block a segment of its own, of its rounded size: reserved bytes are then the
         # blocks' (cached ones included), without torch's segment rounding (tests of a bound).
         self.exact_segments = exact_segments
@@ -644,6 +662,12 @@ class SimCuda:
     def is_device(self, t: torch.Tensor) -> bool:
         info = _S.storages.get(t.untyped_storage().data_ptr())
         return info is not None and info.sim is self
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        if self.host_modules:
+            return self.is_device(t)
+        # Every CPU tensor stands for device memory, but registered (pinned) host memory.
+        return t.device.type == "cpu" and (self.is_device(t) or not self.is_pinned(t))
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         ptr = t.data_ptr()

@@ -170,6 +170,9 @@ class CudaDevice(DeviceLayer):
     def pinned_footprint(nbytes: int) -> int:
         return (nbytes + _PAGE - 1) // _PAGE * _PAGE
 
+    def on_device(self, t: torch.Tensor) -> bool:
+        return self._rt.on_device(t) and self.host.kind(t) is None
+
     def device_memory(self, t: torch.Tensor) -> bool:
         return self._rt.is_device(t)
 

@@ -146,6 +146,11 @@ class CudaRuntime(Protocol):
         """Whether ``t``'s memory is this device's (not another GPU's, not the host's)."""
         ...
 
+    def on_device(self, t: torch.Tensor) -> bool:
+        """Whether a tensor a module brings is this device's memory (a CUDA tensor of this
+        GPU), as opposed to host memory the layer must copy in."""
+        ...
+
     def is_pinned(self, t: torch.Tensor) -> bool: ...
 
     def adopt(self, t: torch.Tensor) -> None:
@@ -262,6 +267,9 @@ class TorchCuda:  # pragma: no cover - the real runtime: needs a GPU (tests/gpu 
 
     def is_device(self, t: torch.Tensor) -> bool:
         return t.device == self.device
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.is_cuda and t.device == self.device
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         return t.is_pinned()

@@ -381,6 +381,13 @@ class DeviceLayer:
                 "capture: a captured graph would replay on freed memory; only resident-stable "
                 "components may be captured")
 
+    def on_device(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is on this layer's device tier: memory of the layer's device (a CPU
+        tensor here) that is not one of the layer's own host-tier buffers (a mirror, a
+        storage detach gave back). What a module brings that is not is on the host tier:
+        attach copies it into mirrors of its own and moves it to the device from there."""
+        return t.device == self.device and self.host.kind(t) is None
+
     def device_memory(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is memory only the device addresses (CUDA memory). Never on the CPU
         layers, whose device tier is host memory."""

@@ -238,6 +238,25 @@ async def test_a_rescan_takes_in_a_replaced_tensor_unless_the_store_is_offloaded
         store.rescan()
 
 
+async def test_a_parameter_replaced_by_a_host_tensor_while_placed_is_refused_by_name(
+        layer: DeviceLayer) -> None:
+    """Placed (every unit on the device), a parameter replaced by a tensor in host memory (a
+    host buffer of the layer's own: off the device tier of every layer) is refused by a
+    rescan, by name, and the store keeps the inventory it had."""
+    module = Extras()
+    store = TensorStore("x", module, layer)
+    await store.adopt()  # (a module built in host memory: its units get mirrors first)
+    (await store.prepare_to_device(store.select("host"))).commit()
+    assert {u.where for u in store.units} == {"device"}
+    host = layer.alloc(64, "host", pinned=False).view(torch.float32).view(4, 4)
+    assert not layer.on_device(host)
+    module.lin.weight = nn.Parameter(host)
+    with pytest.raises(StoreError, match=r"component 'x' is placed on cpu, but 'lin.weight' "
+                                         r"now hold host memory \(replaced behind the controller\)"):
+        store.rescan()
+    assert store.structure_changed() == ["weight"]
+
+
 # -- moves --------------------------------------------------------------------------------
 
 async def test_a_round_trip_keeps_every_value_and_every_tensor_object(layer: DeviceLayer) -> None:
