@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -25,10 +26,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lifecycle import ComponentBusy, LifecycleController, Phase, UnsupportedCompute
-from lifecycle.testing import SimCuda, check_cuda_sim, sim_cuda_layer
-from strategies import CudaDevice, LayerwiseOffloadStrategy, ResidencyConfig
+from lifecycle.testing import OrderingDevice, SimCuda, check_cuda_sim, sim_cuda_layer
+from strategies import CpuDevice, CudaDevice, DeviceLayer, LayerwiseOffloadStrategy, ResidencyConfig
+from strategies.devices import TorchCuda
 from tests.helpers import faulty_device
 from tests.strategies.typed_buffers import DTYPES, Typed, new_values
 
@@ -493,3 +496,76 @@ async def test_each_layer_refreshes_in_a_thread_of_its_own_that_close_stops() ->
         for ctl in ctls:
             await ctl.aclose()
         assert refresh_threads() - before == set()
+
+
+# -- device memory that arrives from the host ---------------------------------------------
+
+LAYERS: dict[str, Callable[[], DeviceLayer]] = {
+    "cpu": CpuDevice,
+    "ordering": OrderingDevice,
+    "cuda-sim": lambda: sim_cuda_layer(host_modules=False),
+    "cuda-sim-host-modules": lambda: sim_cuda_layer(host_modules=True),
+}
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_each_layer_says_which_tensors_are_on_its_device_tier(kind: str) -> None:
+    """A CPU tensor a module brings is on the device tier of the CPU layers and of the default
+    simulated GPU, not of a simulated GPU whose device memory is its own (``host_modules``);
+    the layer's device buffers always are, its host buffers (pageable or pinned, views of
+    them too) never."""
+    layer = LAYERS[kind]()
+    try:
+        brought = torch.zeros(16)
+        on_device = kind != "cuda-sim-host-modules"
+        assert layer.on_device(brought) is on_device and layer.on_device(brought[4:]) is on_device
+        device = layer.alloc(64, "device")
+        assert layer.on_device(device) and layer.on_device(device[8:].view(torch.float32))
+        assert not layer.on_device(layer.alloc(64, "host", pinned=False)[8:])
+        assert not layer.on_device(layer.alloc(4096, "host").view(torch.float32))
+    finally:
+        layer.close()
+
+
+def test_the_cuda_runtime_counts_only_its_own_gpus_tensors_as_on_the_device() -> None:
+    """The real runtime: a CUDA tensor of the layer's GPU is on the device; one of another GPU,
+    or a CPU tensor, is not (tensors without storage: no GPU needed)."""
+    with FakeTensorMode():
+        on_0 = torch.empty(4, device="cuda:0")
+    assert TorchCuda(torch.device("cuda", 0)).on_device(on_0)
+    assert not TorchCuda(torch.device("cuda", 1)).on_device(on_0)
+    assert not TorchCuda(torch.device("cuda", 0)).on_device(torch.zeros(4))
+
+
+@pytest.mark.parametrize("mode", ["resident", "component-offload"])
+@pytest.mark.parametrize("host_modules", [True, False], ids=["host-modules", "default"])
+async def test_a_model_built_on_the_cpu_attaches_through_mirrors_where_device_memory_is_the_gpus(
+        mode: str, host_modules: bool) -> None:
+    """On a simulated GPU whose device memory is its own, a model built on the CPU is host
+    memory, as on a GPU: attach copies its units into mirrors registered with the driver and
+    from there to the device, so every weight ends in the GPU's memory; it serves the model's
+    outputs, through a sleep and a wake too. On the default simulator the same model is device
+    memory where it lies: a resident attach copies nothing."""
+    gpu = SimCuda(host_modules=host_modules)
+    layer = CudaDevice(torch.device("cpu"), gpu)
+    torch.manual_seed(0)
+    model = Net(4)
+    reference = copy.deepcopy(model)
+    assert all(layer.on_device(p) is not host_modules for p in model.parameters())
+    x = torch.randn(2, DIM)
+    async with LifecycleController(device_layer=layer, residency=f"net={mode}") as ctl:
+        await ctl.attach({"net": model})
+        units = ctl.strategy("net").store.units
+        if host_modules:
+            assert all(u.host is not None and gpu.is_pinned(u.host) for u in units)
+            assert layer.copies >= len(units)  # into the mirrors (resident: and to the device)
+        elif mode == "resident":
+            assert layer.copies == 0
+        for _ in range(2):
+            with torch.no_grad():
+                async with ctl.use("net"):
+                    assert {u.where for u in units} == {"device"}
+                    assert all(gpu.is_device(p) for p in model.parameters())
+                    assert torch.equal(model(x), reference(x))
+            await ctl.sleep()
+            await ctl.wake()
