@@ -411,11 +411,18 @@ class TensorStore:
 
     def settle_arena(self) -> None:
         """After a move committed or was undone: release the arena's physical memory when
-        no unit lives in it (its addresses stay reserved). A failure is logged and leaves it
-        mapped (counted as held; the next sleep releases it): the move stands."""
+        no unit lives in it and no other move holds device buffers it has not committed (its
+        addresses stay reserved). A failure is logged and leaves it mapped (counted as held;
+        the next sleep releases it): the move stands."""
         arena = self.arena
         if arena is None or not arena.mapped or any(self.in_arena(u) for u in self.units):
             return
+        with self._pending_lock:
+            if self.pending_bytes:
+                # A move prepared beside the one that settles (attach: the units in host
+                # memory copied in, after the rehome of those on the device) holds views of
+                # the arena it has not committed yet: released after it, if at all.
+                return
         try:
             arena.unmap()
         except Exception as exc:  # (a VmmError)

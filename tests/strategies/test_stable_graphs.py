@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lifecycle import LifecycleController
+from lifecycle.testing import sim_cuda_layer
 from strategies.checking._vmmsim import GraphReplayFault, SimGraph, SimVmm, check_access
 from strategies.devices._vmm import ALIGN, Arena, VmmError, graph_capturing
 
@@ -147,6 +148,35 @@ async def test_every_dtype_tied_and_aliased_tensors_keep_their_addresses_across_
     assert not any(arena.holds(t) for t in tensors.values())  # detached: ordinary memory
     with torch.no_grad():
         assert torch.equal(model(ids), expected)
+
+
+@pytest.mark.parametrize("arrives", ["built on the host", "attached again after a detach"])
+async def test_tensors_in_host_memory_attach_resident_stable_into_a_mapped_arena(
+        arrives: str) -> None:
+    """A model in host memory (built on the CPU, with a GPU's memory its own; or handed back
+    by a detach and attached again) attaches resident-stable by copies into its arena: the
+    arena stays mapped through the commit of every move of the attach, and the model serves
+    its own outputs from it, through a sleep and a wake too."""
+    model: Any = Mixed()
+    ids = torch.arange(6).reshape(1, 6)
+    with torch.no_grad():
+        expected = model(ids)
+    layer = sim_cuda_layer(host_modules=True) if arrives == "built on the host" else None
+    async with LifecycleController(device_layer=layer,
+                                   residency={"mixed": "resident-stable"}) as ctl:
+        if arrives != "built on the host":
+            await ctl.attach({"mixed": model})
+            await ctl.detach()
+        assert not any(ctl._layer.on_device(t) for t in model.parameters())
+        await ctl.attach({"mixed": model})
+        store = ctl._components["mixed"].strategy.store
+        assert store.arena is not None and store.arena.mapped
+        for _ in range(2):
+            assert all(store.arena.holds(t) for t in model.parameters())
+            with torch.no_grad():
+                assert torch.equal(model(ids), expected)
+            await ctl.sleep()
+            await ctl.wake()
 
 
 def test_a_simulated_capture_is_seen_by_the_cpu_layers_compute_check() -> None:
