@@ -384,9 +384,18 @@ class LifecycleController:
                         verify_checkpoint, {n: c.strategy.store for n, c in components.items()},
                         checkpoint, limiter=self._threads)
                     plan_mirrors(self._layer, attach_mirrors(components.values()), "attach")
+                    adopted = 0
+
+                    async def prepare(moves: list[PreparedMove]) -> None:
+                        # In the transaction: a fault copying tensors loaded on the host into
+                        # their mirrors fails it, typed, on every rank.
+                        nonlocal adopted
+                        adopted = await adopt(components.values())
+                        await prepare_placement(components.values(), moves)
+
                     with self._components.moving("attach"):
-                        copied = await adopt(components.values()) + await self._transact(
-                            "attach", functools.partial(prepare_placement, components.values()))
+                        copied = await self._transact("attach", prepare)
+                        copied += adopted
                 except BaseException:
                     abandon(components.values(), enabled)
                     raise

@@ -137,6 +137,31 @@ async def test_attach_retried_after_a_failed_placement_serves_identical_outputs(
             assert torch.equal(model(x_in()), reference(x_in()))
 
 
+async def test_a_copy_fault_adopting_tensors_in_host_memory_fails_attach_typed() -> None:
+    """Tensors in host memory (here a model a detach gave back) are copied into mirrors of
+    the store's own at attach: a copy fault there fails the attach as a transition
+    (TransitionFailed, on every rank) and leaves the model as it was; attaching again serves
+    the same outputs."""
+    layer = faulty_device()
+    torch.manual_seed(0)
+    model = DiT()
+    reference = copy.deepcopy(model)
+    ctl = LifecycleController(device_layer=layer, residency=layerwise_config())
+    await ctl.attach({"transformer": model})
+    await ctl.detach()
+    assert not any(layer.on_device(p) for p in model.parameters())
+    sums = fingerprints({"transformer": model})
+    layer.arm(copy_at=1)
+    with pytest.raises(TransitionFailed):
+        await ctl.attach({"transformer": model})
+    assert ctl.phase is Phase.UNINITIALIZED
+    assert fingerprints({"transformer": model}) == sums
+    await ctl.attach({"transformer": model})
+    with torch.no_grad():
+        async with ctl.use("transformer"):
+            assert torch.equal(model(x_in()), reference(x_in()))
+
+
 async def test_attach_refuses_inference_tensors_with_a_clear_error() -> None:
     """A module created under torch.inference_mode is refused with a ValueError naming the tensor."""
     with torch.inference_mode():
