@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import DrainTimeout, GroupBroken, RanksDisagree, TransitionFailed
+from ._owner import Owner
 from ._phase import Phase
 from ._results import RankChecksums
 
@@ -132,11 +133,11 @@ class Section:
 class Collective:
     """A controller's transitions over its process group (none: one rank, nothing to agree
     on): the phase agreed before each, this rank's votes during it, the group replaced by
-    :meth:`rebind`. ``phase``: the controller's phase now (named in errors)."""
+    :meth:`rebind`. ``owner``: the controller (its phase now is named in errors)."""
 
-    def __init__(self, process_group: Any, timeout: float, phase: Callable[[], Phase]) -> None:
+    def __init__(self, process_group: Any, timeout: float, owner: Owner) -> None:
         self.group = None if process_group is None else RankGroup(process_group, timeout)
-        self._phase = phase
+        self._owner = owner
         self._section: Section | None = None  # the collective transition in progress
 
     @property
@@ -160,14 +161,14 @@ class Collective:
     @asynccontextmanager
     async def _section_of(self, trigger: str, group: RankGroup) -> AsyncIterator[None]:
         if group.broken is not None:
-            raise GroupBroken(trigger, self._phase(), GroupFailure(group.broken),
+            raise GroupBroken(trigger, self._owner.phase, GroupFailure(group.broken),
                               group.describe())
         try:
-            phases = await group.phases(self._phase())
+            phases = await group.phases(self._owner.phase)
         except GroupFailure as exc:
-            raise GroupBroken(trigger, self._phase(), exc, group.describe()) from exc
+            raise GroupBroken(trigger, self._owner.phase, exc, group.describe()) from exc
         if phases is not None:
-            raise RanksDisagree(trigger, self._phase(), phases)
+            raise RanksDisagree(trigger, self._owner.phase, phases)
         section = self._section = Section(group)
         try:
             yield
@@ -177,7 +178,7 @@ class Collective:
                 try:
                     failures = await section.vote(exc)
                 except GroupFailure as broken:
-                    raise GroupBroken(trigger, self._phase(), broken, group.describe()) from exc
+                    raise GroupBroken(trigger, self._owner.phase, broken, group.describe()) from exc
                 if isinstance(exc, DrainTimeout):
                     exc.failed_ranks = failures
             raise
@@ -198,7 +199,7 @@ class Collective:
             failures = await section.vote(error)
         except GroupFailure as broken:
             section.closed = True
-            raise GroupBroken(trigger, self._phase(), broken, section.group.describe()) \
+            raise GroupBroken(trigger, self._owner.phase, broken, section.group.describe()) \
                 from error
         if failures and not final:
             section.closed = True
@@ -221,12 +222,12 @@ class Collective:
         only reports them) and none of them could drain, the same refusal as theirs."""
         if not own and all(w.startswith("DrainTimeout") for w in failures.values()):
             # Other ranks could not drain: the same refusal as theirs, on every rank.
-            drained = DrainTimeout(trigger, self._phase(), [f"rank {r}" for r in sorted(failures)],
+            drained = DrainTimeout(trigger, self._owner.phase, [f"rank {r}" for r in sorted(failures)],
                                    drain_timeout or 0.0)
             drained.failed_ranks = failures
             return drained
         if failures and isinstance(error, Exception) and not isinstance(error, TransitionFailed):
-            failed = TransitionFailed(trigger, self._phase(), error, failures)
+            failed = TransitionFailed(trigger, self._owner.phase, error, failures)
             failed.__cause__ = error  # as ``raise failed from error``
             return failed
         return error
@@ -239,7 +240,7 @@ class Collective:
         try:
             gathered = await self.group.gather(local)
         except GroupFailure as exc:
-            raise GroupBroken("checksum", self._phase(), exc, self.group.describe()) from exc
+            raise GroupBroken("checksum", self._owner.phase, exc, self.group.describe()) from exc
         names = sorted({n for g in gathered if isinstance(g, dict) for n in g})
         return RankChecksums({n: {r: g.get(n, "not_found") if isinstance(g, dict)
                                   else "not_found" for r, g in enumerate(gathered)}

@@ -44,7 +44,7 @@ Configuration mistakes found while parsing (``ResidencyConfig``) are plain ``Val
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,7 @@ from strategies import CheckpointChanged, HostBudgetExceeded, ResidencyError
 from strategies.protocol import forget_locals
 
 if TYPE_CHECKING:
+    from ._owner import Owner
     from ._phase import Phase
 
 # Messages of the reference system, kept recognisable.
@@ -316,15 +317,15 @@ class WeightSyncGroupBroken(WeightSyncError):
         self.reason = reason
 
 @contextmanager
-def failures_roll_back(trigger: str, phase: Callable[[], Phase]) -> Iterator[None]:
+def failures_roll_back(trigger: str, owner: Owner) -> Iterator[None]:
     """The one error boundary of a move: an ``Exception`` raised inside (a failed copy or
     allocation, after the caller rolled back) leaves as :class:`TransitionFailed` chaining
     it; the library's own errors and cancellation pass unchanged (a host budget's refusal
-    too: it names the numbers). ``phase`` is read when the error passes (it is the phase
-    the pipeline is still in)."""
+    too: it names the numbers). The ``owner``'s phase is read when the error passes (it is
+    the phase the pipeline is still in)."""
     try:
         yield
     except (LifecycleError, HostBudgetExceeded, CheckpointChanged):
         raise
     except Exception as exc:
-        raise TransitionFailed(trigger, phase(), exc) from exc
+        raise TransitionFailed(trigger, owner.phase, exc) from exc
