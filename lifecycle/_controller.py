@@ -68,6 +68,7 @@ from ._errors import (
     TransitionFailed,
     TransitionRejected,
     WeightUpdateWhileSleeping,
+    as_text,
     failures_roll_back,
     forget_locals,
 )
@@ -331,7 +332,8 @@ class LifecycleController:
                 await self._components.undo(moves)
                 error = local if local is not None else RuntimeError(describe(failures))
                 forget_locals(error)  # the frames held the moves' buffers and backups
-                events.rolled_back(self._owner.log, trigger, self.phase.value, error, failures)
+                events.rolled_back(self._owner.log, trigger, self.phase.value, error,
+                                   as_text(failures))
                 raise self._ranks.failure(trigger, error, failures, own=local is not None,
                                           drain_timeout=self._admission.drain_timeout)
         for move in moves:
@@ -1026,7 +1028,8 @@ class LifecycleController:
                     message = str(refused) if not failures else \
                         f"update refused on {describe(failures)}"
                     self._rejected(kind, message)
-                    return UpdateResult(False, message, self._version, failed_ranks=failures)
+                    return UpdateResult(False, message, self._version,
+                                        failed_ranks=as_text(failures))
                 assert plan is not None
                 try:
                     async with self._uses.drained(kind):
