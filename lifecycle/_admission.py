@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 import anyio
 
 from ._errors import AdmissionTimeout, DrainTimeout
-from ._phase import Phase
+from ._owner import Owner
 
 __all__ = ["Admission"]
 
@@ -70,7 +70,7 @@ class Admission:
             raise AdmissionTimeout(component, self.admission_timeout or 0.0, transition) from None
 
     @asynccontextmanager
-    async def closed(self, trigger: str, phase: Callable[[], Phase],
+    async def closed(self, trigger: str, owner: Owner,
                      before_drain: Callable[[], Awaitable[None]] | None = None,
                      exempt: frozenset[int] = frozenset()) -> AsyncIterator[None]:
         """Close the gate, drain the leases (but ``exempt``: the caller's own request),
@@ -89,7 +89,7 @@ class Admission:
                 if not self._drained():
                     held = [w for lease, w in sorted(self._leases.items())
                             if lease not in exempt]
-                    raise DrainTimeout(trigger, phase(), held, self.drain_timeout or 0.0)
+                    raise DrainTimeout(trigger, owner.phase, held, self.drain_timeout or 0.0)
             yield
         finally:
             self._closed_by = None

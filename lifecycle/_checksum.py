@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, get_args
 
 import anyio
@@ -42,6 +42,7 @@ from ._updates import checksum as full_checksum
 if TYPE_CHECKING:
     from ._collective import Collective
     from ._components import Components
+    from ._owner import Owner
 
 __all__ = ["ALGORITHMS", "ChecksumAlgorithm", "Checksums", "check_expected", "check_hashes",
            "component_checksum", "reference_checksum", "tensor_sha256"]
@@ -138,16 +139,16 @@ def check_hashes(store: TensorStore, target: str, expected: Mapping[str, str]
 class Checksums:
     """One controller's checksums of its attached components (``components``): hashed in its
     worker threads (``threads``) under its lock, so that no move or update runs meanwhile, and
-    gathered from every rank through its collective (``ranks``; ``rank``: its rank now)."""
+    gathered from every rank through its collective (``ranks``; ``owner``: the controller,
+    whose rank names this rank's checksums)."""
 
     def __init__(self, components: Components, lock: anyio.Lock,
-                 threads: anyio.CapacityLimiter, ranks: Collective, rank: Callable[[], int]
-                 ) -> None:
+                 threads: anyio.CapacityLimiter, ranks: Collective, owner: Owner) -> None:
         self._components = components
         self._lock = lock
         self._threads = threads
         self._ranks = ranks
-        self._rank = rank
+        self._owner = owner
 
     def now(self, names: Sequence[str] | None, algorithm: ChecksumAlgorithm) -> dict[str, str]:
         """``{component: checksum}`` of ``names`` (every component for None), in this thread;
@@ -167,7 +168,7 @@ class Checksums:
     async def across_ranks(self, names: Sequence[str] | None, algorithm: ChecksumAlgorithm
                            ) -> RankChecksums:
         """Every rank's :meth:`locked` (collective: every rank calls it)."""
-        return await self._ranks.checksums(await self.locked(names, algorithm), self._rank())
+        return await self._ranks.checksums(await self.locked(names, algorithm), self._owner.rank)
 
     async def named(self, names: Sequence[str] | None) -> dict[str, dict[str, str]]:
         """``{component: {name: tensor_sha256}}`` of every parameter and buffer of ``names``

@@ -7,7 +7,8 @@ Every rank calls the same transition in the same order. A collective transition 
    phases are gathered only then);
 2. local work (checks, drain, prepare: nothing re-pointed);
 3. *vote*: one ``all_reduce`` MIN of a 0/1 flag; on a 0 anywhere, the reasons are gathered
-   (``all_gather_object``) and every rank drops what it prepared;
+   (``all_gather_object``, each a :class:`RankFailure`: the error's class name and its
+   text) and every rank drops what it prepared;
 4. commit on every rank, or on none.
 
 Every rank votes exactly once per stage, whatever happened locally (an exception before the
@@ -33,7 +34,8 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 
-from ._errors import DrainTimeout, GroupBroken, RanksDisagree, TransitionFailed
+from ._errors import DrainTimeout, GroupBroken, RankFailure, RanksDisagree, TransitionFailed
+from ._owner import Owner
 from ._phase import Phase
 from ._results import RankChecksums
 
@@ -44,7 +46,7 @@ _CODES = {p: i for i, p in enumerate(Phase)}
 _ALONE: AbstractAsyncContextManager[None] = contextlib.nullcontext()  # stateless: shared
 
 
-def describe(failures: Mapping[int, str]) -> str:
+def describe(failures: Mapping[int, RankFailure]) -> str:
     """``rank r: why`` for every failed rank, in rank order."""
     return "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
 
@@ -107,13 +109,13 @@ class RankGroup:
         gathered = await self._run(lambda: self._gather(phase.value))
         return {r: str(p) for r, p in enumerate(gathered)}
 
-    async def vote(self, ok: bool, reason: str | None) -> dict[int, str]:
-        """Every rank's failure reason, empty when every rank voted ok."""
-        (all_ok,) = await self._run(lambda: self._all_reduce_min([1 if ok else 0]))
+    async def vote(self, failure: RankFailure | None) -> dict[int, RankFailure]:
+        """Every rank's failure (none: this rank votes ok), empty when every rank voted ok."""
+        (all_ok,) = await self._run(lambda: self._all_reduce_min([int(failure is None)]))
         if all_ok:
             return {}
-        gathered = await self._run(lambda: self._gather(None if ok else (reason or "failed")))
-        return {r: str(why) for r, why in enumerate(gathered) if why is not None}
+        gathered = await self._run(lambda: self._gather(failure))
+        return {r: why for r, why in enumerate(gathered) if isinstance(why, RankFailure)}
 
 
 class Section:
@@ -123,20 +125,19 @@ class Section:
         self.group = group
         self.closed = False  # the deciding vote happened
 
-    async def vote(self, error: BaseException | None) -> dict[int, str]:
+    async def vote(self, error: BaseException | None) -> dict[int, RankFailure]:
         """Vote (ok when ``error`` is None); returns the failures of every rank."""
-        reason = None if error is None else f"{type(error).__name__}: {error}"
-        return await self.group.vote(error is None, reason)
+        return await self.group.vote(None if error is None else RankFailure.of(error))
 
 
 class Collective:
     """A controller's transitions over its process group (none: one rank, nothing to agree
     on): the phase agreed before each, this rank's votes during it, the group replaced by
-    :meth:`rebind`. ``phase``: the controller's phase now (named in errors)."""
+    :meth:`rebind`. ``owner``: the controller (its phase now is named in errors)."""
 
-    def __init__(self, process_group: Any, timeout: float, phase: Callable[[], Phase]) -> None:
+    def __init__(self, process_group: Any, timeout: float, owner: Owner) -> None:
         self.group = None if process_group is None else RankGroup(process_group, timeout)
-        self._phase = phase
+        self._owner = owner
         self._section: Section | None = None  # the collective transition in progress
 
     @property
@@ -160,14 +161,14 @@ class Collective:
     @asynccontextmanager
     async def _section_of(self, trigger: str, group: RankGroup) -> AsyncIterator[None]:
         if group.broken is not None:
-            raise GroupBroken(trigger, self._phase(), GroupFailure(group.broken),
+            raise GroupBroken(trigger, self._owner.phase, GroupFailure(group.broken),
                               group.describe())
         try:
-            phases = await group.phases(self._phase())
+            phases = await group.phases(self._owner.phase)
         except GroupFailure as exc:
-            raise GroupBroken(trigger, self._phase(), exc, group.describe()) from exc
+            raise GroupBroken(trigger, self._owner.phase, exc, group.describe()) from exc
         if phases is not None:
-            raise RanksDisagree(trigger, self._phase(), phases)
+            raise RanksDisagree(trigger, self._owner.phase, phases)
         section = self._section = Section(group)
         try:
             yield
@@ -177,15 +178,15 @@ class Collective:
                 try:
                     failures = await section.vote(exc)
                 except GroupFailure as broken:
-                    raise GroupBroken(trigger, self._phase(), broken, group.describe()) from exc
+                    raise GroupBroken(trigger, self._owner.phase, broken, group.describe()) from exc
                 if isinstance(exc, DrainTimeout):
-                    exc.failed_ranks = failures
+                    exc.failed_causes = failures
             raise
         finally:
             self._section = None
 
     async def vote(self, trigger: str, error: BaseException | None, *, final: bool
-                   ) -> dict[int, str]:
+                   ) -> dict[int, RankFailure]:
         """This rank's vote in the collective transition in progress; returns every rank's
         failure (none outside a collective transition: one rank votes nothing). ``final``:
         the deciding vote."""
@@ -198,14 +199,14 @@ class Collective:
             failures = await section.vote(error)
         except GroupFailure as broken:
             section.closed = True
-            raise GroupBroken(trigger, self._phase(), broken, section.group.describe()) \
+            raise GroupBroken(trigger, self._owner.phase, broken, section.group.describe()) \
                 from error
         if failures and not final:
             section.closed = True
         return failures
 
     async def decide(self, trigger: str, error: BaseException | None
-                     ) -> tuple[BaseException | None, dict[int, str]]:
+                     ) -> tuple[BaseException | None, dict[int, RankFailure]]:
         """A transaction's deciding vote (all commit or none; one rank: no vote, and no
         failures): this rank's error, if any, and every rank's failures. A group that breaks
         now is this rank's error (it rolls back alone)."""
@@ -214,19 +215,17 @@ class Collective:
         except BaseException as exc:
             return exc, {}
 
-    def failure(self, trigger: str, error: BaseException, failures: dict[int, str], *,
+    def failure(self, trigger: str, error: BaseException, failures: dict[int, RankFailure], *,
                 own: bool, drain_timeout: float | None) -> BaseException:
         """What a transaction rolled back for ``error`` raises here: other ranks' failures
         wrap it in :class:`TransitionFailed`; when they alone failed (``own`` false: ``error``
         only reports them) and none of them could drain, the same refusal as theirs."""
-        if not own and all(w.startswith("DrainTimeout") for w in failures.values()):
+        if not own and all(f.cause == DrainTimeout.__name__ for f in failures.values()):
             # Other ranks could not drain: the same refusal as theirs, on every rank.
-            drained = DrainTimeout(trigger, self._phase(), [f"rank {r}" for r in sorted(failures)],
-                                   drain_timeout or 0.0)
-            drained.failed_ranks = failures
-            return drained
+            held = [f"rank {r}" for r in sorted(failures)]
+            return DrainTimeout(trigger, self._owner.phase, held, drain_timeout or 0.0, failures)
         if failures and isinstance(error, Exception) and not isinstance(error, TransitionFailed):
-            failed = TransitionFailed(trigger, self._phase(), error, failures)
+            failed = TransitionFailed(trigger, self._owner.phase, error, failures)
             failed.__cause__ = error  # as ``raise failed from error``
             return failed
         return error
@@ -239,7 +238,7 @@ class Collective:
         try:
             gathered = await self.group.gather(local)
         except GroupFailure as exc:
-            raise GroupBroken("checksum", self._phase(), exc, self.group.describe()) from exc
+            raise GroupBroken("checksum", self._owner.phase, exc, self.group.describe()) from exc
         names = sorted({n for g in gathered if isinstance(g, dict) for n in g})
         return RankChecksums({n: {r: g.get(n, "not_found") if isinstance(g, dict)
                                   else "not_found" for r, g in enumerate(gathered)}

@@ -58,6 +58,7 @@ from ._errors import (
     UnknownComponent,
 )
 from ._events import get_logger
+from ._owner import Owner
 from ._phase import Phase
 from ._results import ComponentPlacement, PlacementReport
 from ._uses import AttachedComponent
@@ -93,16 +94,13 @@ def refuse_managed(found: Mapping[str, nn.Module], controller_id: int, phase: Ph
 class Components(Mapping[str, AttachedComponent]):
     """The attached components by name (none while detached), and the modules made
     layerwise-capable for them. ``phase``: the controller's now, and ``transition``: the move
-    it is making (:meth:`moving`): what a forward may do depends on them; ``rank`` and
-    ``controller_id``: named in events."""
+    it is making (:meth:`moving`): what a forward may do depends on them; ``owner``: the
+    controller (``phase`` read from it; its id and rank named in events)."""
 
-    def __init__(self, layer: DeviceLayer, phase: Callable[[], Phase], rank: Callable[[], int],
-                 controller_id: int) -> None:
+    def __init__(self, layer: DeviceLayer, owner: Owner) -> None:
         self._layer = layer
-        self._phase = phase
+        self._owner = owner
         self.transition: str | None = None
-        self._rank = rank
-        self._controller_id = controller_id
         self._by_name: dict[str, AttachedComponent] = {}
         self._enabled: list[nn.Module] = []  # modules layerwise offload was enabled on by us
         self.budget_source = "none"  # how the host budgets were found (the report says it)
@@ -144,8 +142,7 @@ class Components(Mapping[str, AttachedComponent]):
         discarded tensors with undefined values)."""
         stale = self.stale()  # (file-backed ones are read back from their files)
         if stale:
-            _log.warning(events.DETACH_STALE, components=stale, rank=self._rank(),
-                         controller=self._controller_id)
+            self._owner.log.warning(events.DETACH_STALE, components=stale)
 
     def fsdp(self) -> bool:
         """Whether FSDP places any of them."""
@@ -170,8 +167,8 @@ class Components(Mapping[str, AttachedComponent]):
         reserved = self._layer.reserved()
         ledger = self._layer.host
         held = ledger.held()
-        return PlacementReport(self._phase(), MappingProxyType(self.placements(lora_bytes)),
-                               self._layer.memory_allocated(), self._rank(), world_size,
+        return PlacementReport(self._owner.phase, MappingProxyType(self.placements(lora_bytes)),
+                               self._layer.memory_allocated(), self._owner.rank, world_size,
                                self._layer.peak_bytes, self._layer.allocator_peak(),
                                reserved_bytes=None if reserved is None else reserved[0],
                                reserved_peak_bytes=None if reserved is None else reserved[1],
@@ -183,7 +180,7 @@ class Components(Mapping[str, AttachedComponent]):
     def check_forward(self, name: str) -> None:
         """Run before every forward of component ``name`` outside ``use()``: refuses one
         while sleeping, unplaced, stale, or streaming while its stores move or are written."""
-        phase = self._phase()
+        phase = self._owner.phase
         if phase is Phase.SLEEPING or name in self.asleep:
             raise ComponentAsleep(name)
         strategy = self._by_name[name].strategy
@@ -240,9 +237,8 @@ class Components(Mapping[str, AttachedComponent]):
 
     def mirror_stale(self, component: str, error: BaseException) -> None:
         """Report a mirror refresh that failed (the next sleep copies what it left)."""
-        _log.warning(events.UPDATE_MIRROR_STALE, component=component,
-                     error=f"{type(error).__name__}: {error}", rank=self._rank(),
-                     controller=self._controller_id)
+        self._owner.log.warning(events.UPDATE_MIRROR_STALE, component=component,
+                                error=f"{type(error).__name__}: {error}")
 
     @staticmethod
     async def undo(moves: Sequence[PreparedMove]) -> None:
@@ -268,13 +264,12 @@ class Components(Mapping[str, AttachedComponent]):
         for c in self._by_name.values() if names is None else map(self.component, names):
             store = c.strategy.store
             if store.structure_changed() or store.drifted():
-                _log.warning(events.STORE_RESCAN, component=c.name,
-                             drifted=store.drifted()[:8], rank=self._rank(),
-                             controller=self._controller_id)
+                self._owner.log.warning(events.STORE_RESCAN, component=c.name,
+                                        drifted=store.drifted()[:8])
                 try:
                     store.rescan()
                 except StoreError as exc:
-                    raise TransitionRejected(trigger, self._phase(), str(exc)) from exc
+                    raise TransitionRejected(trigger, self._owner.phase, str(exc)) from exc
 
     # -- attach / detach ---------------------------------------------------------------
     def install(self, components: dict[str, AttachedComponent], enabled: list[nn.Module]) -> None:
@@ -288,7 +283,7 @@ class Components(Mapping[str, AttachedComponent]):
     def _guard(self, c: AttachedComponent) -> None:
         """Register ``c``'s modules as this controller's and check its forwards."""
         for sub in c.module.modules():
-            _managed[sub] = (weakref.ref(self), self._controller_id, c.name)
+            _managed[sub] = (weakref.ref(self), self._owner.id, c.name)
         check = functools.partial(self.check_forward, c.name)
         c.strategy.forward_check = check
         c.guard = ComputeGuard(c.module, check, c.strategy.store.note_training_forward,
@@ -340,9 +335,10 @@ class Components(Mapping[str, AttachedComponent]):
                 wanted[name] = shape
         emptied = [n for n in wanted if self._by_name[n].strategy.store.discarded is not None]
         if emptied:
-            raise TransitionRejected("set_residency", self._phase(), f"components {emptied} were "
-                                     "discarded by the sleep: wake first (their residency can "
-                                     "change once they have places again)")
+            raise TransitionRejected("set_residency", self._owner.phase,
+                                     f"components {emptied} were discarded by the sleep: wake "
+                                     "first (their residency can change once they have places "
+                                     "again)")
         return wanted
 
     def reshaping(self, config: ResidencyConfig) -> tuple[
@@ -363,7 +359,7 @@ class Components(Mapping[str, AttachedComponent]):
         as the phase wants; the strategies are swapped at commit."""
         old = c.strategy.store
         new = shape.store(c.name, c.module, self._layer, layout=old)
-        on_device = shape.awake_units(new) if self._phase() is Phase.AWAKE else []
+        on_device = shape.awake_units(new) if self._owner.phase is Phase.AWAKE else []
         move = await prepare_regroup(old, new, on_device)
 
         def swap() -> None:
@@ -387,7 +383,7 @@ class Components(Mapping[str, AttachedComponent]):
         """Raise why component ``name`` (``module``) cannot be added now, if it cannot: not
         attached, sleeping, a name taken, a module (or a part of it) already a component
         here or guarded by another controller."""
-        trigger, phase = "add_component", self._phase()
+        trigger, phase = "add_component", self._owner.phase
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequest("name", f"a component name must be a non-empty string, "
                                  f"got {name!r}")
@@ -411,7 +407,7 @@ class Components(Mapping[str, AttachedComponent]):
                 raise TransitionRejected(trigger, phase, f"module {type(module).__name__} of "
                                          f"{name!r} is (or shares modules with) component "
                                          f"{other.name!r}: a module is managed once")
-        refuse_managed({name: module}, self._controller_id, phase, trigger)
+        refuse_managed({name: module}, self._owner.id, phase, trigger)
 
     def add(self, c: AttachedComponent, enabled: list[nn.Module]) -> None:
         """Take ``c`` (built and placed by ``add_component``) as one more attached component,
@@ -423,7 +419,7 @@ class Components(Mapping[str, AttachedComponent]):
     def refuse_remove(self, name: str) -> AttachedComponent:
         """Component ``name``, or why it cannot be removed now: not attached, unknown, the
         only one, in use, its weights discarded."""
-        trigger, phase = "remove_component", self._phase()
+        trigger, phase = "remove_component", self._owner.phase
         if phase is Phase.UNINITIALIZED:
             raise TransitionRejected(trigger, phase, NOT_INITIALIZED)
         if name not in self._by_name:

@@ -68,10 +68,10 @@ from ._errors import (
     TransitionFailed,
     TransitionRejected,
     WeightUpdateWhileSleeping,
+    as_text,
     failures_roll_back,
     forget_locals,
 )
-from ._events import get_logger
 from ._filebacking import after_update, verify_checkpoint
 from ._handoff import Reshape, hand_off_peak
 from ._hostbudget import derive_budgets
@@ -81,6 +81,7 @@ from ._loaders import NameMap, disk_plan, tensors_plan
 from ._lora import LoraBases, plan_tensors
 from ._measure import Measurer, fixed_modes, is_auto
 from ._multi import plan_from_modules
+from ._owner import Owner
 from ._phase import Phase, PhaseMachine, Refusal, Rule, refusal
 from ._pipeline import components_of
 from ._planner import ResidencyPlan
@@ -100,7 +101,6 @@ from ._weight_sync import (
 
 __all__ = ["LifecycleController"]
 
-_log = get_logger("lifecycle")
 _ids = itertools.count(1)
 _controller_ids = itertools.count(1)
 _R = TypeVar("_R", OccupationResult, UpdateResult)
@@ -152,11 +152,13 @@ class LifecycleController:
         # After each wake, drop the host mirrors of what is on the device again (hosts short
         # of memory): the next sleep copies those bytes from the device again.
         self.release_mirrors_after_wake = release_mirrors_after_wake
-        # With a process group every transition is collective (see lifecycle._collective).
-        self._ranks = Collective(process_group, collective_timeout, lambda: self.phase)
         # In every event of this controller (with ``rank``): tells controllers of one process
         # apart, e.g. for lifecycle.metrics.
         self.id = next(_controller_ids)
+        # What the collaborators know of this controller (id, rank, phase), and its logger.
+        self._owner = Owner(self)
+        # With a process group every transition is collective (see lifecycle._collective).
+        self._ranks = Collective(process_group, collective_timeout, self._owner)
         self.use_fsdp_inference = use_fsdp_inference
         self.rank = rank if self._ranks.group is None else self._ranks.group.rank
         self._auto = is_auto(residency, device_budget)  # plan at attach (lifecycle._measure)
@@ -176,16 +178,15 @@ class LifecycleController:
         # fast_acquire: an uncontended acquire does not yield to the loop (a clean sleep is
         # bookkeeping only; the moves themselves checkpoint between chunks).
         self._lock = anyio.Lock(fast_acquire=True)
-        self._components = Components(self._layer, lambda: self.phase, lambda: self.rank,
-                                      self.id)  # the attached ones
+        self._components = Components(self._layer, self._owner)  # the attached ones
         self._components.budget_source = self.host_budgets.source
         # Worker threads for planning, reading and hashing: the library's own, so that it
         # never takes the application's share of anyio's default limiter.
         self._threads = anyio.CapacityLimiter(2)
         # A request prefetch starts only when the device has the next component's bytes plus
         # ``prefetch_headroom`` free (the running component's activations need room too).
-        self._uses = Uses(self._admission, self._layer, self._components, lambda: self.phase,
-                          self.wake, lambda: self.rank, self.id, self._threads,
+        self._uses = Uses(self._admission, self._layer, self._components, self._owner,
+                          self.wake, self._threads,
                           auto_wake=auto_wake, prefetch_components=prefetch_components,
                           prefetch_headroom=prefetch_headroom)
         self._version = 0
@@ -195,7 +196,7 @@ class LifecycleController:
         self._weight_sync = WeightSync(weight_sync_limits)
         self._label: str | None = None  # the trainer's weight_version of the served weights
         self._checksums = Checksums(self._components, self._lock, self._threads, self._ranks,
-                                    lambda: self.rank)
+                                    self._owner)
 
     async def __aenter__(self) -> Self:
         return self
@@ -312,8 +313,8 @@ class LifecycleController:
         raise rule.error(trigger, self.phase, rule.message)
 
     def _rejected(self, trigger: str, reason: str, outcome: str = "refused") -> None:
-        _log.info(events.TRANSITION_REJECTED, trigger=trigger, phase=self.phase.value,
-                  outcome=outcome, reason=reason, rank=self.rank, controller=self.id)
+        self._owner.log.info(events.TRANSITION_REJECTED, trigger=trigger, phase=self.phase.value,
+                             outcome=outcome, reason=reason)
 
     async def _transact(self, trigger: str,
                         prepare: Callable[[list[PreparedMove]], Awaitable[None]], *,
@@ -326,7 +327,7 @@ class LifecycleController:
         if land:
             await self._components.land_refreshes()
         moves: list[PreparedMove] = []
-        with failures_roll_back(trigger, lambda: self.phase):
+        with failures_roll_back(trigger, self._owner):
             local: BaseException | None = None
             try:
                 await prepare(moves)
@@ -338,8 +339,8 @@ class LifecycleController:
                 await self._components.undo(moves)
                 error = local if local is not None else RuntimeError(describe(failures))
                 forget_locals(error)  # the frames held the moves' buffers and backups
-                events.rolled_back(_log, trigger, self.phase.value, error, failures,
-                                   rank=self.rank, controller=self.id)
+                events.rolled_back(self._owner.log, trigger, self.phase.value, error,
+                                   as_text(failures))
                 raise self._ranks.failure(trigger, error, failures, own=local is not None,
                                           drain_timeout=self._admission.drain_timeout)
         for move in moves:
@@ -791,8 +792,8 @@ class LifecycleController:
                         moving: frozenset[str]) -> OccupationResult:
         source = self.phase
         t0 = time.perf_counter()
-        run = await Run.start(trigger, self._components, discard, self.progress, self.rank,
-                              self.id, only=moving)
+        run = await Run.start(trigger, self._components, discard, self.progress, self._owner,
+                              only=moving)
 
         async def prepare(moves: list[PreparedMove]) -> None:
             # Refused before the first allocation when the new host copies do not fit.
@@ -816,8 +817,8 @@ class LifecycleController:
 
     def _summary(self, trigger: str, source: Phase, copied: int, seconds: float,
                  released: int = 0) -> None:
-        events.committed(_log, trigger, source.value, self.phase.value, copied, seconds,
-                         released, rank=self.rank, controller=self.id)
+        events.committed(self._owner.log, trigger, source.value, self.phase.value, copied,
+                         seconds, released)
 
     # -- weight updates --------------------------------------------------------------
     @property
@@ -1039,9 +1040,9 @@ class LifecycleController:
                     plan = await anyio.to_thread.run_sync(make_plan, limiter=self._threads)
                     asleep = sorted(set(plan.components) & self._components.asleep)
                     if asleep:  # a partial sleep: the reference's refusal, word for word
-                        _log.info(events.TRANSITION_REJECTED, trigger=kind, asleep=asleep,
-                                  phase=self.phase.value, outcome="refused",
-                                  reason="target asleep", rank=self.rank, controller=self.id)
+                        self._owner.log.info(events.TRANSITION_REJECTED, trigger=kind,
+                                             asleep=asleep, phase=self.phase.value,
+                                             outcome="refused", reason="target asleep")
                         raise WeightUpdateWhileSleeping(kind, self.phase, UPDATE_WHILE_SLEEPING)
                 except (UpdateRefused, TransitionRejected) as exc:
                     refused = exc
@@ -1053,7 +1054,8 @@ class LifecycleController:
                     message = str(refused) if not failures else \
                         f"update refused on {describe(failures)}"
                     self._rejected(kind, message)
-                    return UpdateResult(False, message, self._version, failed_ranks=failures)
+                    return UpdateResult(False, message, self._version,
+                                        failed_ranks=as_text(failures))
                 assert plan is not None
                 try:
                     async with self._uses.drained(kind):
@@ -1093,8 +1095,8 @@ class LifecycleController:
         after_update(kind, plan, stores)  # written tensors: their files' bytes, or anonymous
         seconds = time.perf_counter() - t0
         if plan.casts:
-            _log.info(events.UPDATE_CAST, tensors=len(plan.casts), casts=plan.casts[:16],
-                      rank=self.rank, controller=self.id)
+            self._owner.log.info(events.UPDATE_CAST, tensors=len(plan.casts),
+                                 casts=plan.casts[:16])
         self._summary(kind, Phase.AWAKE, written, seconds)
         return plan.applied(self._version, written, seconds)
 

@@ -44,8 +44,9 @@ Configuration mistakes found while parsing (``ResidencyConfig``) are plain ``Val
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from strategies import CheckpointChanged, HostBudgetExceeded, ResidencyError
@@ -55,6 +56,7 @@ from strategies import CheckpointChanged, HostBudgetExceeded, ResidencyError
 from strategies.protocol import forget_locals
 
 if TYPE_CHECKING:
+    from ._owner import Owner
     from ._phase import Phase
 
 # Messages of the reference system, kept recognisable.
@@ -78,6 +80,7 @@ __all__ = [
     "HandOffExceedsBudget",
     "InvalidRequest",
     "LifecycleError",
+    "RankFailure",
     "RanksDisagree",
     "TransitionFailed",
     "TransitionRejected",
@@ -87,6 +90,7 @@ __all__ = [
     "WeightSyncGroupMissing",
     "WeightUpdateWhileSleeping",
     "WeightsDiscarded",
+    "as_text",
     "failures_roll_back",
     "forget_locals",
 ]
@@ -120,34 +124,71 @@ class WeightUpdateWhileSleeping(TransitionRejected):
         super().__init__(trigger, phase, reason)
 
 
-class DrainTimeout(TransitionRejected):
-    """In-flight uses were still held when the drain timeout ran out."""
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank voted against a collective transition (what the vote carries):
+    ``cause``, the class name of its error (``"DrainTimeout"``), and ``message``, the error's
+    text. Reads ``cause: message``."""
 
-    def __init__(self, trigger: str, phase: Phase, held: list[str], timeout: float) -> None:
+    cause: str
+    message: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> RankFailure:
+        return cls(type(error).__name__, str(error))
+
+    def __str__(self) -> str:
+        return f"{self.cause}: {self.message}"
+
+
+def as_text(failures: Mapping[int, RankFailure]) -> dict[int, str]:
+    """``failures`` as text: rank -> ``"Cause: message"``."""
+    return {r: str(f) for r, f in failures.items()}
+
+
+class _FailedRanks:
+    """An error of a transition over several ranks: ``failed_causes``, rank ->
+    :class:`RankFailure` for every rank that failed (empty on a single rank), and
+    ``failed_ranks``, the same as text (rank -> ``"Cause: message"``)."""
+
+    failed_causes: Mapping[int, RankFailure]
+
+    @property
+    def failed_ranks(self) -> dict[int, str]:
+        return as_text(self.failed_causes)
+
+
+class DrainTimeout(TransitionRejected, _FailedRanks):
+    """In-flight uses were still held when the drain timeout ran out (several ranks:
+    ``failed_causes`` names every rank that timed out)."""
+
+    def __init__(self, trigger: str, phase: Phase, held: list[str], timeout: float,
+                 failed_causes: Mapping[int, RankFailure] | None = None) -> None:
         super().__init__(trigger, phase,
                          f"{trigger}: {len(held)} use(s) still in flight after {timeout:g}s: "
                          f"{held}")
         self.held = held
         self.timeout = timeout
-        self.failed_ranks: dict[int, str] = {}  # several ranks: every rank that timed out
+        self.failed_causes = dict(failed_causes or {})
 
 
-class TransitionFailed(LifecycleError):
+class TransitionFailed(LifecycleError, _FailedRanks):
     """The move failed part-way and was rolled back: placement and phase are as before.
 
-    ``failed_ranks``: rank -> reason, for a transition over several ranks (every rank raises
-    this same error, naming the ranks that failed); empty on a single rank."""
+    ``failed_causes`` (``failed_ranks`` as text): for a transition over several ranks, what
+    failed on each rank that failed (every rank raises this same error, naming them); empty
+    on a single rank."""
 
     def __init__(self, trigger: str, phase: Phase, cause: BaseException,
-                 failed_ranks: Mapping[int, str] | None = None) -> None:
-        ranks = dict(failed_ranks or {})
+                 failed_causes: Mapping[int, RankFailure] | None = None) -> None:
+        self.failed_causes = dict(failed_causes or {})
+        ranks = self.failed_ranks
         where = f" (failed on rank(s) {ranks})" if ranks else ""
         super().__init__(f"{trigger} failed and was rolled back; phase is still "
                          f"{phase.value}: {type(cause).__name__}: {cause}{where}")
         self.trigger = trigger
         self.phase = phase
         self.cause = cause
-        self.failed_ranks = ranks
 
 
 class GroupBroken(TransitionFailed):
@@ -316,15 +357,15 @@ class WeightSyncGroupBroken(WeightSyncError):
         self.reason = reason
 
 @contextmanager
-def failures_roll_back(trigger: str, phase: Callable[[], Phase]) -> Iterator[None]:
+def failures_roll_back(trigger: str, owner: Owner) -> Iterator[None]:
     """The one error boundary of a move: an ``Exception`` raised inside (a failed copy or
     allocation, after the caller rolled back) leaves as :class:`TransitionFailed` chaining
     it; the library's own errors and cancellation pass unchanged (a host budget's refusal
-    too: it names the numbers). ``phase`` is read when the error passes (it is the phase
-    the pipeline is still in)."""
+    too: it names the numbers). The ``owner``'s phase is read when the error passes (it is
+    the phase the pipeline is still in)."""
     try:
         yield
     except (LifecycleError, HostBudgetExceeded, CheckpointChanged):
         raise
     except Exception as exc:
-        raise TransitionFailed(trigger, phase(), exc) from exc
+        raise TransitionFailed(trigger, owner.phase, exc) from exc

@@ -190,7 +190,7 @@ def wanted(logger: structlog.stdlib.BoundLogger, level: int) -> bool:
 def committed(logger: structlog.stdlib.BoundLogger, trigger: str, source: str, dest: str,
               copied: int, seconds: float, released: int = 0, **fields: Any) -> None:
     """The one ``transition.committed`` summary of a transition (its fields are not even
-    built when nobody wants it); ``fields``: who committed it (rank, controller)."""
+    built when nobody wants it); ``fields``: more of its fields."""
     if not wanted(logger, logging.INFO):
         return
     logger.info(TRANSITION_COMMITTED, trigger=trigger, source=source, dest=dest,
@@ -201,7 +201,7 @@ def committed(logger: structlog.stdlib.BoundLogger, trigger: str, source: str, d
 def rolled_back(logger: structlog.stdlib.BoundLogger, trigger: str, phase: str,
                 error: BaseException, failed_ranks: Mapping[int, str], **fields: Any) -> None:
     """The ``transition.rolled_back`` warning of a transition undone for ``error`` (a
-    cancellation reads ``cancelled``); ``fields``: who rolled it back (rank, controller)."""
+    cancellation reads ``cancelled``); ``fields``: more of its fields."""
     logger.warning(TRANSITION_ROLLED_BACK, trigger=trigger, phase=phase,
                    outcome="rolled_back" if isinstance(error, Exception) else "cancelled",
                    error=f"{type(error).__name__}: {error}", failed_ranks=failed_ranks,
@@ -229,10 +229,33 @@ class bound:
         structlog.contextvars.reset_contextvars(**self._tokens)
 
 
-def get_logger(name: str = "lifecycle") -> structlog.stdlib.BoundLogger:
+Naming = Callable[[], Mapping[str, Any]]
+
+
+def _appending(naming: Naming) -> structlog.typing.Processor:
+    """First processor of a named logger: the fields ``naming()`` gives now, after the
+    call's own keys and before ``event`` (which structlog adds last), as if the call had
+    passed them itself (a bound context would put them first)."""
+
+    def append(logger: Any, method_name: str,
+               event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        event = event_dict.pop("event", None)
+        event_dict.update(naming())
+        if event is not None:
+            event_dict["event"] = event
+        return event_dict
+
+    return append
+
+
+def get_logger(name: str = "lifecycle", *, naming: Naming | None = None
+               ) -> structlog.stdlib.BoundLogger:
     """A structlog logger writing to the stdlib logger *name*, independent of structlog's
-    global configuration (which belongs to the application)."""
-    return structlog.stdlib.BoundLogger(logging.getLogger(name), _PROCESSORS, {})
+    global configuration (which belongs to the application). ``naming``: who emits its
+    events (e.g. ``{"rank": 0, "controller": 1}``, read at each event), appended to every
+    event after the call's own keys."""
+    processors = _PROCESSORS if naming is None else [_appending(naming), *_PROCESSORS]
+    return structlog.stdlib.BoundLogger(logging.getLogger(name), processors, {})
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]

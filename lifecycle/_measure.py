@@ -26,7 +26,6 @@ from strategies.protocol import TensorStore
 
 from . import _events as events
 from ._errors import forget_locals
-from ._events import get_logger
 from ._planner import (
     ComponentSizes,
     Measurements,
@@ -41,7 +40,6 @@ from ._uses import Recording, Uses
 
 __all__ = ["DeclaredUses", "Measurer", "Request", "fixed_modes", "is_auto"]
 
-_log = get_logger("lifecycle")
 _SIZES_ONLY = "sizes (each component once, in attach order)"
 
 #: One representative request through the controller, e.g. ``lambda: pipe.generate(ctl=ctl)``.
@@ -93,8 +91,7 @@ class Measurer:
         self._layer = uses.layer
         self._components = uses.components
         self._threads = uses.threads
-        self._rank = uses.rank  # (and the controller's id: named in events)
-        self._controller_id = uses.controller_id
+        self._log = uses.owner.log  # (names the controller's rank and id in events)
         self.measurements: Measurements | None = None
         self.warmup: Request | None = None  # the last warm-up measured (validates its plans)
 
@@ -125,9 +122,8 @@ class Measurer:
         keep = {} if fixed is None else \
             {n: fixed.mode_for(n) for n in found if fixed.names_mode_of(n)}
         plan, budget = await self._make(m, device_budget, t0, keep, host_budget)
-        _log.info(events.PLAN_APPLIED, config=plan.config.to_string(), budget=budget,
-                  predicted_peak=plan.predicted_peak_bytes, rank=self._rank(),
-                  controller=self._controller_id)
+        self._log.info(events.PLAN_APPLIED, config=plan.config.to_string(), budget=budget,
+                       predicted_peak=plan.predicted_peak_bytes)
         return plan
 
     async def _make(self, m: Measurements, device_budget: int | float | str, started: float,
@@ -261,8 +257,7 @@ class Measurer:
             with anyio.CancelScope(shield=True):
                 await restore(previous)
             reason = f"the validation request raised {type(exc).__name__}: {exc}"
-            _log.warning(events.PLAN_ROLLED_BACK, reason=reason, rank=self._rank(),
-                         controller=self._controller_id)
+            self._log.warning(events.PLAN_ROLLED_BACK, reason=reason)
             if not isinstance(exc, Exception):
                 raise
             return dataclasses.replace(change, success=False, rolled_back=True,
@@ -284,8 +279,7 @@ class Measurer:
         if not why:
             return dataclasses.replace(result, message=result.message + "; validated")
         await restore(previous)
-        _log.warning(events.PLAN_ROLLED_BACK, reason="; ".join(why), rank=self._rank(),
-                     controller=self._controller_id)
+        self._log.warning(events.PLAN_ROLLED_BACK, reason="; ".join(why))
         return dataclasses.replace(
             result, success=False, rolled_back=True,
             message="plan undone, previous residency restored: " + "; ".join(why))

@@ -26,7 +26,6 @@ from strategies.protocol import (
 
 from . import _events as events
 from ._discard import prepare_sleep, prepare_wake
-from ._events import get_logger
 from ._phase import Phase
 from ._results import OccupationResult
 from ._units import gbps
@@ -34,11 +33,9 @@ from ._uses import AttachedComponent
 
 if TYPE_CHECKING:
     from ._components import Components
+    from ._owner import Owner
 
 __all__ = ["DIRECTIONS", "Direction", "Run"]
-
-_log = get_logger("lifecycle")
-
 
 @dataclass(frozen=True)
 class Direction:
@@ -71,18 +68,17 @@ class Run:
     """One sleep or wake of ``components``: prepares every component's move (a debug
     event each), tells ``progress`` ``(trigger, bytes copied so far, bytes to copy)`` as
     copies land, and notes the components a sleep discarded (those in ``discard``, and
-    stale ones). ``rank`` and ``controller_id``: named in events."""
+    stale ones). ``owner``: the controller (its logger names it in events)."""
 
     def __init__(self, trigger: str, components: Iterable[AttachedComponent], discard: frozenset[str],
-                 progress: Callable[[str, int, int], None] | None, rank: int,
-                 controller_id: int) -> None:
+                 progress: Callable[[str, int, int], None] | None, owner: Owner
+                 ) -> None:
         self.trigger = trigger
         way = self.way = DIRECTIONS[trigger]
         self._plan = [(c, way.select(c.strategy)) for c in components]
         self._discard = discard
         self._progress = progress
-        self._rank = rank
-        self._controller_id = controller_id
+        self._log = owner.log
         self._done = 0
         self._total = 0 if progress is None else sum(
             u.nbytes for _, units in self._plan for u in units if way.counts(u))
@@ -92,8 +88,8 @@ class Run:
 
     @classmethod
     async def start(cls, trigger: str, components: Components, discard: frozenset[str],
-                    progress: Callable[[str, int, int], None] | None, rank: int,
-                    controller_id: int, only: Collection[str] | None = None) -> Run:
+                    progress: Callable[[str, int, int], None] | None, owner: Owner,
+                    only: Collection[str] | None = None) -> Run:
         """A run over the attached ``components`` (``only``: those named, a partial sleep
         or wake), once the bookkeeping before it is done: a sleep right after a weight
         update waits for the mirror refresh still in flight (then copies only what it left
@@ -104,7 +100,7 @@ class Run:
         if DIRECTIONS[trigger].resync:
             components.rescan(trigger)
         moved = [c for c in components.values() if only is None or c.name in only]
-        run = cls(trigger, moved, discard, progress, rank, controller_id)
+        run = cls(trigger, moved, discard, progress, owner)
         run.before = before
         return run
 
@@ -141,12 +137,11 @@ class Run:
     def _event(self, component: str,
                move: Move | DiscardMove | UndiscardMove | FileSleepMove | FileWakeMove,
                seconds: float) -> None:
-        if not events.wanted(_log, logging.DEBUG):
+        if not events.wanted(self._log, logging.DEBUG):
             return
-        _log.debug(events.MOVE_PREPARED, component=component, to=move.to, units=len(move.units),
-                   bytes=move.bytes_copied, seconds=round(seconds, 6),
-                   gbps=round(gbps(move.bytes_copied, seconds), 3),
-                   rank=self._rank, controller=self._controller_id)
+        self._log.debug(events.MOVE_PREPARED, component=component, to=move.to,
+                        units=len(move.units), bytes=move.bytes_copied,
+                        seconds=round(seconds, 6), gbps=round(gbps(move.bytes_copied, seconds), 3))
 
     def result(self, phase: Phase, copied: int, released: int, seconds: float
                ) -> OccupationResult:

@@ -122,12 +122,10 @@ class UpdatePlan:
 
 def _causes(failed: TransitionFailed) -> tuple[str, ...]:
     """The class names of the errors an update was rolled back for: this rank's cause, and
-    every failed rank's. A rank's vote (lifecycle._collective.Section.vote) carries its error as
-    ``"ClassName: message"``: the class name is read from there, the one place the ranks'
-    causes are only text (a rank that did not fail itself holds a RuntimeError naming the
-    ranks that did)."""
+    every failed rank's (the ``cause`` of its :class:`~lifecycle._errors.RankFailure`; a rank
+    that did not fail itself holds a RuntimeError naming the ranks that did)."""
     names = {type(failed.cause).__name__}
-    names.update(why.partition(":")[0] for why in failed.failed_ranks.values())
+    names.update(f.cause for f in failed.failed_causes.values())
     return tuple(sorted(names))
 
 

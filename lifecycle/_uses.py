@@ -35,16 +35,13 @@ from ._errors import (
     failures_roll_back,
     forget_locals,
 )
-from ._events import get_logger
 from ._phase import Phase
 
 if TYPE_CHECKING:
     from ._components import Components
+    from ._owner import Owner
 
 __all__ = ["AttachedComponent", "Recording", "UseRecord", "Uses"]
-
-_log = get_logger("lifecycle")
-
 
 @dataclass(eq=False)
 class _Prefetch:
@@ -119,20 +116,17 @@ class Uses:
     """Leases, placement around uses, and request-level prefetch for one controller.
 
     ``components``: the controller's registry (read here, changed only by the controller);
-    ``rank``: the controller's rank now (named in events, with ``controller_id``)."""
+    ``owner``: the controller (its phase now; its rank and id named in events)."""
 
     def __init__(self, admission: Admission, layer: DeviceLayer, components: Components,
-                 phase: Callable[[], Phase], wake: Callable[[], Awaitable[object]],
-                 rank: Callable[[], int], controller_id: int = 0,
+                 owner: Owner, wake: Callable[[], Awaitable[object]],
                  threads: anyio.CapacityLimiter | None = None, *, auto_wake: bool = False,
                  prefetch_components: bool = True, prefetch_headroom: int = 2**30) -> None:
         self.admission = admission
         self.layer = layer
         self.components = components
-        self.phase = phase
+        self.owner = owner
         self.wake = wake
-        self.rank = rank
-        self.controller_id = controller_id
         self.threads = threads  # the controller's worker threads (None: anyio's default)
         self.auto_wake = auto_wake
         self.prefetch_components = prefetch_components
@@ -187,18 +181,18 @@ class Uses:
         if self._request.get() is not None:
             # A use inside a request of ours: the request holds a lease, so a transition is
             # draining it, not starting; its uses go on (waiting would deadlock the drain).
-            if self.phase() is Phase.SLEEPING or name in self.components.asleep:
+            if self.owner.phase is Phase.SLEEPING or name in self.components.asleep:
                 raise ComponentAsleep(name)
             return
         while True:
             await self.admission.wait_open(name)
-            if self.phase() is Phase.SLEEPING or name in self.components.asleep:
+            if self.owner.phase is Phase.SLEEPING or name in self.components.asleep:
                 if not self.auto_wake:
                     raise ComponentAsleep(name)
                 await self.wake()  # many waiters: the first moves, the rest see "already awake"
                 continue
-            if self.phase() is Phase.UNINITIALIZED:
-                raise TransitionRejected("use", self.phase(), NOT_INITIALIZED)
+            if self.owner.phase is Phase.UNINITIALIZED:
+                raise TransitionRejected("use", self.owner.phase, NOT_INITIALIZED)
             if self.admission.closed_by is None:
                 return
 
@@ -212,7 +206,7 @@ class Uses:
             c.users += 1
             if c.users > 1:
                 return
-            with failures_roll_back("use", self.phase):
+            with failures_roll_back("use", self.owner):
                 try:
                     pf = c.prefetch
                     if pf is not None and pf.ready:
@@ -245,9 +239,8 @@ class Uses:
             except Exception as exc:
                 # The component stays where it is (consistent, mirror not current); the
                 # next sleep copies it. Reported, not raised over the user's own result.
-                _log.warning(events.USE_RELEASE_FAILED, component=c.name,
-                             error=f"{type(exc).__name__}: {exc}", rank=self.rank(),
-                             controller=self.controller_id)
+                self.owner.log.warning(events.USE_RELEASE_FAILED, component=c.name,
+                                       error=f"{type(exc).__name__}: {exc}")
 
     def _keep_for_next(self, c: AttachedComponent) -> bool:
         """Within a request whose next use is ``c`` again (``["text_encoder",
@@ -258,7 +251,7 @@ class Uses:
         if req is None or req.position < 0 or c.prefetch is not None \
                 or req.order[req.position] != c.name \
                 or req.position + 1 >= len(req.order) or req.order[req.position + 1] != c.name \
-                or self.phase() is not Phase.AWAKE or self.admission.closed_by is not None:
+                or self.owner.phase is not Phase.AWAKE or self.admission.closed_by is not None:
             return False
         c.prefetch = _Prefetch(self.admission.take(f"{c.name} (kept for the next use)"),
                                started=True, ready=True)
@@ -303,7 +296,7 @@ class Uses:
     async def drained(self, trigger: str) -> AsyncIterator[None]:
         """A transition's gate: close admission, drop unused prefetches, drain leases (but
         those of the requests the calling task is in); reopen afterwards."""
-        async with self.admission.closed(trigger, self.phase, self.stop_prefetches,
+        async with self.admission.closed(trigger, self.owner, self.stop_prefetches,
                                          exempt=self.own_leases()):
             for c in self.components.values():
                 c.strategy.quiesce()
@@ -344,7 +337,7 @@ class Uses:
 
     def _may_prefetch(self, c: AttachedComponent, pf: _Prefetch) -> bool:
         return c.users == 0 and c.prefetch is pf and not pf.cancelled \
-            and self.phase() is Phase.AWAKE and self.admission.closed_by is None
+            and self.owner.phase is Phase.AWAKE and self.admission.closed_by is None
 
     async def _run_prefetch(self, c: AttachedComponent, pf: _Prefetch) -> None:
         try:
@@ -360,9 +353,8 @@ class Uses:
                                 pf.ready = True
                                 return
                 except Exception as exc:
-                    _log.warning(events.PREFETCH_FAILED, component=c.name,
-                                 error=f"{type(exc).__name__}: {exc}", rank=self.rank(),
-                                 controller=self.controller_id)
+                    self.owner.log.warning(events.PREFETCH_FAILED, component=c.name,
+                                           error=f"{type(exc).__name__}: {exc}")
         finally:
             # Also when the request's task group cancelled this task (its body raised) before
             # or while it ran: the lease must come back, or a later drain waits forever.

@@ -27,6 +27,7 @@ from lifecycle import (
     TransitionRejected,
     WeightsDiscarded,
 )
+from lifecycle._errors import RankFailure
 from lifecycle.http import create_app
 from lifecycle.http._driver import LocalDriver, RanksUnavailable
 from lifecycle.http._generations import GenerationAborted, GenerationRefused
@@ -104,7 +105,7 @@ CASES: list[tuple[str, BaseException, int, dict[str, Any]]] = [
     ("/generate", TransitionRejected("generate", Phase.UNINITIALIZED,
                                      "pipeline not initialized"), 503, {}),
     ("/state", TransitionFailed("wake", Phase.SLEEPING, RuntimeError("boom"),
-                                {1: "RuntimeError: boom"}), 500,
+                                {1: RankFailure("RuntimeError", "boom")}), 500,
      {"rolled_back": True, "failed_ranks": {"1": "RuntimeError: boom"}}),
     ("/state", GroupBroken("wake", Phase.SLEEPING, RuntimeError("gone"), "group"), 503, {}),
     ("/state", AdmissionTimeout("transformer", 1.0, "sleep"), 503, {}),

@@ -20,6 +20,8 @@ import structlog
 import lifecycle
 from lifecycle import LifecycleController, TransitionFailed, configure_logging
 from lifecycle import _events as events
+from lifecycle._owner import Owner
+from lifecycle._phase import Phase
 from lifecycle.testing import capture_events
 from tests.helpers import faulty_device, small_pipeline
 
@@ -170,6 +172,44 @@ async def test_transition_context_ends_with_the_transition_and_keeps_the_callers
     finally:
         structlog.contextvars.unbind_contextvars("request", "transition")
         await ctl.detach()
+
+
+async def test_a_collaborators_events_name_rank_and_controller_after_their_own_keys() -> None:
+    """A sleep's per-component event (emitted by lifecycle._sleep, one of the controller's
+    collaborators, whose call names neither) carries the controller's rank and id from its
+    owner's logger, where a call spelling them would put them: after the call's own keys,
+    before the event name, then the transition's context."""
+    ctl = LifecycleController("cpu", rank=2)
+    await ctl.attach(small_pipeline())
+    with _listening() as records:
+        await ctl.sleep()
+    move = _events_of(records, events.MOVE_PREPARED)[0].msg
+    assert isinstance(move, dict)
+    own = ["component", "to", "units", "bytes", "seconds", "gbps", "rank", "controller", "event"]
+    assert list(move)[:len(own)] == own  # then the context variables (in their own order)
+    assert set(list(move)[len(own):]) == {"transition", "transition_id", "level"}
+    assert (move["rank"], move["controller"]) == (2, ctl.id)
+    (summary,) = [r.msg for r in _events_of(records, events.TRANSITION_COMMITTED)]  # the controller's
+    assert list(summary)[:11] == ["trigger", "source", "dest", "outcome", "seconds", "bytes",
+                                  "released", "gbps", "rank", "controller", "event"]
+    await ctl.detach()
+
+
+def test_an_owners_logger_names_the_rank_the_controller_has_at_each_event() -> None:
+    """The owner reads its controller at each event: a rank that changed (a rebind) is the
+    one named next; the plain rendering and the event sinks see the same keys."""
+
+    controller = LifecycleController("cpu")
+    owner = Owner(controller)
+    with _listening() as records, capture_events() as seen:
+        owner.log.info(events.PLAN_APPLIED, budget=1)
+        controller.rank = 3
+        owner.log.warning(events.PLAN_ROLLED_BACK, reason="validation")
+    assert [str(r.msg) for r in records] == [
+        f"plan.applied budget=1 rank=0 controller={controller.id}",
+        f"plan.rolled_back reason=validation rank=3 controller={controller.id}"]
+    assert [(e["rank"], e["controller"]) for e in seen] == [(0, controller.id), (3, controller.id)]
+    assert (owner.id, owner.rank, owner.phase) == (controller.id, 3, Phase.UNINITIALIZED)
 
 
 async def test_plain_formatter_renders_one_line_per_event() -> None:

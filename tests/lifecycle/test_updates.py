@@ -18,6 +18,7 @@ from lifecycle import (
     UpdateResult,
     WeightUpdateWhileSleeping,
 )
+from lifecycle._errors import RankFailure
 from lifecycle._updates import UpdatePlan
 from tests.helpers import faulty_device, fingerprints, layer, run_pipeline, small_pipeline, tensor_ids
 
@@ -479,8 +480,11 @@ def test_a_rolled_back_update_names_every_ranks_cause_as_a_field() -> None:
     server tells the trainer's failure from its own without reading the message."""
     alone = UpdatePlan.undone(TransitionFailed("update", Phase.AWAKE, MemoryError("oom")), 4)
     assert (alone.rolled_back, alone.causes, alone.version) == (True, ("MemoryError",), 4)
-    failures = {1: "WeightSyncTransferFailed: the trainer left", 2: "ValueError: bad"}
+    failures = {1: RankFailure("WeightSyncTransferFailed", "the trainer left"),
+                2: RankFailure("ValueError", "bad: LoraMergeNotFinite: a message is no cause")}
     others = UpdatePlan.undone(TransitionFailed(
         "update", Phase.AWAKE, RuntimeError("rank 1: ...; rank 2: ..."), failures), 4)
     assert others.causes == ("RuntimeError", "ValueError", "WeightSyncTransferFailed")
+    assert others.failed_ranks == {1: "WeightSyncTransferFailed: the trainer left",
+                                   2: "ValueError: bad: LoraMergeNotFinite: a message is no cause"}
     assert others.as_dict()["causes"] == list(others.causes)

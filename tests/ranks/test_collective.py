@@ -17,7 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lifecycle import GroupBroken, LifecycleController, RanksDisagree, TransitionFailed
+from lifecycle import DrainTimeout, GroupBroken, LifecycleController, RanksDisagree, TransitionFailed
+from lifecycle._collective import Collective
+from lifecycle._errors import RankFailure
+from lifecycle._owner import Owner
 from tests.helpers import SelectedFaultyDevice, faulty_device, fingerprints, small_pipeline
 
 Scenario = Callable[[int, int, Path], Awaitable[dict[str, Any]]]
@@ -74,6 +77,7 @@ def collective(rank: int, layer: Any = None) -> LifecycleController:
 
 def describe(exc: BaseException) -> dict[str, Any]:
     return {"type": type(exc).__name__, "failed_ranks": getattr(exc, "failed_ranks", None),
+            "failed_causes": getattr(exc, "failed_causes", None),
             "phases": getattr(exc, "phases", None)}
 
 
@@ -130,6 +134,10 @@ def test_a_sleep_failing_on_one_rank_rolls_back_on_every_rank(tmp_path: Path) ->
         assert out[r]["type"] == "TransitionFailed"
         assert list(out[r]["failed_ranks"]) == [1]
         assert out[r]["failed_ranks"][1].startswith("InjectedFault: injected copy failure")
+        # the vote carried the failure typed: its class name a field, not a prefix to parse
+        (failure,) = out[r]["failed_causes"].values()
+        assert failure.cause == "InjectedFault"
+        assert failure.message.startswith("injected copy failure")
         assert (out[r]["phase"], out[r]["bytes_kept"], out[r]["retry"]) == ("awake", True, True)
 
 
@@ -270,14 +278,34 @@ def test_a_rank_that_cannot_drain_makes_every_rank_raise_drain_timeout(tmp_path:
                 await ctl.sleep()
             except Exception as exc:
                 raised = {"type": type(exc).__name__,
-                          "failed": sorted(getattr(exc, "failed_ranks", {}))}
+                          "failed": sorted(getattr(exc, "failed_ranks", {})),
+                          "causes": {r: f.cause
+                                     for r, f in getattr(exc, "failed_causes", {}).items()}}
         phase = ctl.phase.value
         retry = await ctl.sleep()
         return raised | {"phase": phase, "retry": retry.success}
 
     out = run_ranks(scenario, tmp_path)
     for r in (0, 1):
-        assert out[r] == {"type": "DrainTimeout", "failed": [1], "phase": "awake", "retry": True}
+        assert out[r] == {"type": "DrainTimeout", "failed": [1], "causes": {1: "DrainTimeout"},
+                          "phase": "awake", "retry": True}
+
+
+def test_other_ranks_drain_timeouts_are_told_by_their_cause() -> None:
+    """What a rank raises when only other ranks failed: every one of them a DrainTimeout
+    (by the cause its vote carried) gives the same refusal, naming them; any other cause (a
+    message that merely reads like one too) a TransitionFailed carrying the failures."""
+    ranks = Collective(None, TIMEOUT, Owner(LifecycleController("cpu")))
+    others = RuntimeError("rank 1: ...")
+    drained = {1: RankFailure("DrainTimeout", "sleep: 1 use(s) still in flight after 0.3s")}
+    refusal = ranks.failure("sleep", others, drained, own=False, drain_timeout=0.3)
+    assert isinstance(refusal, DrainTimeout)
+    assert (refusal.held, refusal.timeout, refusal.failed_causes) == (["rank 1"], 0.3, drained)
+    assert refusal.failed_ranks == {1: "DrainTimeout: sleep: 1 use(s) still in flight after 0.3s"}
+    mixed = drained | {2: RankFailure("InjectedFault", "DrainTimeout in a message")}
+    failed = ranks.failure("sleep", others, mixed, own=False, drain_timeout=0.3)
+    assert isinstance(failed, TransitionFailed) and failed.failed_causes == mixed
+    assert failed.cause is others and failed.__cause__ is others
 
 
 def test_resident_stable_votes_on_every_rank_and_keeps_addresses_on_each(
