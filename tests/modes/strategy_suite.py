@@ -6,6 +6,7 @@ tracks its device bytes, controllers serving a layerwise model."""
 from __future__ import annotations
 
 import copy
+import itertools
 import re
 import weakref
 from collections.abc import Iterator, Sequence
@@ -19,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from lifecycle import LifecycleController
 from lifecycle.testing import FaultInjection
 from strategies import (
+    DeviceLayer,
     LayerwiseOffloadStrategy,
     ResidencyConfig,
 )
@@ -45,6 +47,18 @@ def _one_intra_op_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def copied_in_bytes(layer: DeviceLayer, *modules: nn.Module) -> int:
+    """Bytes of the parameters and buffers of ``modules`` that are not in ``layer``'s device
+    memory (``layer.on_device``): those attach copies into device buffers of the layer's own
+    (it keeps the module's own storages when they are on the device). None of a CPU-built
+    model on the CPU layers; all of it on a GPU whose memory is its own (the simulated GPU
+    with ``RESIDENCY_SIM_HOST_MODULES=1``). Ask it of a model before its attach (or of a
+    copy placed as it was)."""
+    tensors = itertools.chain.from_iterable(
+        itertools.chain(m.parameters(), m.buffers()) for m in modules)
+    return sum(t.nbytes for t in tensors if not layer.on_device(t))
 
 
 def raises_exactly(kind: type[Exception], message: str) -> pytest.RaisesExc[Exception]:

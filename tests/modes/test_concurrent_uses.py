@@ -17,7 +17,13 @@ from lifecycle import LifecycleController
 from lifecycle.testing import FaultInjection
 from strategies import LayerwiseOffloadStrategy, ResidencyConfig
 from tests.helpers import faulty_device, small_pipeline
-from tests.modes.strategy_suite import NONLAYER_BYTES, OFFLOADED_TRANSFORMER_BYTES, DiT, x_in
+from tests.modes.strategy_suite import (
+    NONLAYER_BYTES,
+    OFFLOADED_TRANSFORMER_BYTES,
+    DiT,
+    copied_in_bytes,
+    x_in,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -52,8 +58,8 @@ async def serving(prefetch: int) -> tuple[LifecycleController, DiT, DiT, FaultIn
 def assert_idle(ctl: LifecycleController, layer: FaultInjection, device_bytes: int,
                 live: int = 0) -> None:
     """Exact accounting: the report, the bytes in flight and the buffers the layer allocated
-    that are really alive (``live``: the non-layer weights once a wake allocated them; the
-    model's own storages before that)."""
+    that are really alive (``live``: the non-layer weights once attach or a wake copied
+    them into buffers of the layer's; none while they are the model's own storages)."""
     store = ctl.strategy("transformer").store
     assert store.pending_bytes == 0
     assert ctl.report().components["transformer"].device_bytes == device_bytes
@@ -67,6 +73,9 @@ async def test_concurrent_uses_forwarding_in_worker_threads_keep_exact_accountin
     diffusers adapter does): every output is exact, and after every round and after sleep
     the report, the bytes in flight and the live buffers agree exactly."""
     ctl, model, reference, layer, _ = await serving(prefetch)
+    # The non-layer weights, in buffers of the layer's when the model was in host memory.
+    held = copied_in_bytes(layer, reference.inp, reference.out)
+    assert held in (0, NONLAYER_BYTES)
     x = x_in()
     with torch.no_grad():
         expected = reference(x)
@@ -84,7 +93,7 @@ async def test_concurrent_uses_forwarding_in_worker_threads_keep_exact_accountin
                 for _ in range(TASKS):
                     tg.start_soon(one, errors)
         assert not errors
-        assert_idle(ctl, layer, NONLAYER_BYTES)
+        assert_idle(ctl, layer, NONLAYER_BYTES, live=held)
     assert (await ctl.sleep()).success
     assert_idle(ctl, layer, 0)
     assert (await ctl.wake()).success
@@ -95,6 +104,7 @@ async def test_plain_threads_forwarding_inside_one_use_never_share_a_fetch() -> 
     """Threads started by the caller, all forwarding inside one use(): each layer has at
     most one buffer, outputs are exact, and the end of the use frees every streamed layer."""
     ctl, model, reference, layer, strategy = await serving(2)
+    held = copied_in_bytes(layer, reference.inp, reference.out)  # (see above)
     x = x_in()
     with torch.no_grad():
         expected = reference(x)
@@ -123,7 +133,7 @@ async def test_plain_threads_forwarding_inside_one_use_never_share_a_fetch() -> 
         # While in use, never more than one buffer per layer: live bytes bounded exactly.
         assert layer.live_device_bytes <= strategy.peak_bound() * TASKS
     assert len(outputs) == 5 * TASKS and all(torch.equal(o, expected) for o in outputs)
-    assert_idle(ctl, layer, NONLAYER_BYTES)
+    assert_idle(ctl, layer, NONLAYER_BYTES, live=held)
 
 
 async def test_concurrent_uses_share_one_placement_until_the_last_one_ends() -> None:

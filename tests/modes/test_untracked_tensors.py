@@ -13,6 +13,7 @@ from torch import nn
 from lifecycle import LifecycleController, Phase, TransitionRejected
 from strategies import StoreError
 from tests.helpers import device_tier_storages
+from tests.strategies.device_modules import in_device_memory
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -131,7 +132,8 @@ async def test_a_resident_component_whose_attribute_was_recreated_is_taken_inven
     model = dit(pipe)
     ctl = LifecycleController("cpu")
     await ctl.attach(pipe)
-    model.cache["cos"] = model.cache["cos"] + 1
+    # (Made by compute, in the device memory compute makes it in on a GPU.)
+    model.cache["cos"] = in_device_memory(model.cache["cos"] + 1, ctl.device_layer)
     assert (await ctl.sleep()).success
     assert device_tier_storages(pipe, ctl) == {}
 

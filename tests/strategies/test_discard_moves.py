@@ -9,7 +9,8 @@ from torch import nn
 
 from strategies import make_device_layer
 from strategies._discard import prepare_discard, prepare_undiscard
-from strategies.protocol import TensorStore, WriteSource
+from strategies.protocol import WriteSource
+from tests.strategies.device_modules import device_store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -45,7 +46,7 @@ async def test_a_discarding_sleep_drops_state_keeps_the_rest_and_a_wake_places_b
     the wake gives every unit its place again, stale tensors with undefined contents."""
     module = WithExtras()
     before = snapshot(module)
-    store = TensorStore("m", module, make_device_layer("cpu"), whole=whole)
+    store = device_store("m", module, make_device_layer("cpu"), whole=whole)
     move = await prepare_discard(store, everything=True)
     assert move is not None
     move.commit()
@@ -70,7 +71,7 @@ async def test_a_write_makes_a_stale_tensor_fresh_and_a_second_sleep_drops_only_
     """After a wake, writing some stale tensors makes those fresh; the next sleep drops only
     the still-stale ones and keeps the written values (copied to the host)."""
     module = WithExtras()
-    store = TensorStore("m", module, make_device_layer("cpu"))
+    store = device_store("m", module, make_device_layer("cpu"))
     move = await prepare_discard(store, everything=True)
     assert move is not None
     move.commit()
@@ -88,7 +89,7 @@ async def test_a_write_makes_a_stale_tensor_fresh_and_a_second_sleep_drops_only_
 
 async def test_a_store_with_nothing_stale_sleeps_as_usual_unless_everything_is_dropped() -> None:
     """Without stale tensors and without ``everything`` there is nothing to drop (None)."""
-    store = TensorStore("m", WithExtras(), make_device_layer("cpu"))
+    store = device_store("m", WithExtras(), make_device_layer("cpu"))
     assert await prepare_discard(store, everything=False) is None
 
 
@@ -97,7 +98,7 @@ async def test_an_undone_discard_or_wake_changes_nothing() -> None:
     leave every tensor, the stale set and the report as they were."""
     module = WithExtras()
     before = snapshot(module)
-    store = TensorStore("m", module, make_device_layer("cpu"))
+    store = device_store("m", module, make_device_layer("cpu"))
     report = store.report()
     pointers = [t.data_ptr() for t in (module.lin.weight, module.scale, module.table)]
     move = await prepare_discard(store, everything=True)

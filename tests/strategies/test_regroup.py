@@ -23,6 +23,7 @@ from strategies.protocol import (
     prepare_undiscard,
 )
 from tests.helpers import TiedLM
+from tests.strategies.device_modules import device_store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -77,7 +78,7 @@ async def test_a_regroup_keeps_every_value_and_places_each_new_unit(
     same tensor objects and values, each unit where it was asked to be."""
     lm = TiedLM()
     before, params = values(lm), list(lm.parameters())
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     store = await regrouped(store, into, not_layers)
     assert all(u.where == ("host" if u.key in LAYERS else "device") for u in store.units)
     assert same(lm, before) and list(lm.parameters()) == params
@@ -90,10 +91,10 @@ async def test_the_new_store_sees_the_storages_the_module_came_with(layer: Devic
     """After a whole-component placement every tensor views one flat buffer; a store regrouped
     from it still has the module's own storages (the view with its weight) as units."""
     lm = TiedLM()
-    whole = await regrouped(TensorStore("lm", lm, layer), "whole", nothing)
+    whole = await regrouped(device_store("lm", lm, layer), "whole", nothing)
     assert [u.key for u in whole.units] == ["(component)"]
     again = await regrouped(whole, "per storage", everything)
-    assert [u.key for u in again.units] == [u.key for u in TensorStore("x", TiedLM(), layer).units]
+    assert [u.key for u in again.units] == [u.key for u in device_store("x", TiedLM(), layer).units]
     assert [s.names for s in again.slot_named("first_row")[1].slot_list] == [
         ["first_row"], ["embed.weight", "head.weight"]]
 
@@ -104,7 +105,7 @@ async def test_units_that_keep_their_storages_and_tier_are_carried_over_without_
     their units and buffers: only the layers' storages are copied into their new buffers;
     regrouped into the same shape again, nothing is copied."""
     lm = TiedLM()
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     new = SHAPES["layers"](store)
     move = await prepare_regroup(store, new, everything(new))
     move.commit()
@@ -129,7 +130,7 @@ async def test_a_regroup_failing_at_any_copy_or_allocation_leaves_the_old_store_
             layer = faulty()
             lm = TiedLM()
             before = values(lm)
-            old = await regrouped(TensorStore("lm", lm, layer), "per storage", not_layers)
+            old = await regrouped(device_store("lm", lm, layer), "per storage", not_layers)
             report, placement, live = old.report(), shape(old), layer.live_device_bytes
             new = SHAPES[into](old)
             layer.arm(**{f"{kind}_at": k})
@@ -148,7 +149,7 @@ async def test_a_regroup_failing_at_any_copy_or_allocation_leaves_the_old_store_
 async def test_stale_tensors_stay_stale_in_the_regrouped_store(layer: DeviceLayer) -> None:
     """Tensors a discarding sleep dropped (stale after the wake) are stale in a store
     regrouped from it too."""
-    store = TensorStore("lm", TiedLM(), layer)
+    store = device_store("lm", TiedLM(), layer)
     move = await prepare_discard(store, everything=False)
     assert move is None
     move = await prepare_discard(store, everything=True)
@@ -163,7 +164,7 @@ async def test_stale_tensors_stay_stale_in_the_regrouped_store(layer: DeviceLaye
 async def test_a_module_changed_since_attach_cannot_be_regrouped(layer: DeviceLayer) -> None:
     """A tensor replaced behind the store: a new store over the old layout is refused."""
     lm = TiedLM()
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     linear = lm.get_submodule("blocks.0.1")
     assert isinstance(linear, nn.Linear)
     linear.bias = nn.Parameter(torch.zeros(16))
@@ -177,7 +178,7 @@ async def test_a_restore_gives_the_module_its_own_storages_back(layer: DeviceLay
     lm = TiedLM()
     before = values(lm)
     sizes = {n: t.untyped_storage().nbytes() for n, t in lm.state_dict(keep_vars=True).items()}
-    store = await regrouped(TensorStore("lm", lm, layer), "whole", nothing)
+    store = await regrouped(device_store("lm", lm, layer), "whole", nothing)
     assert needs_restore(store)
     assert lm.scale.untyped_storage().nbytes() == store.units[0].nbytes
     (await prepare_restore(store)).commit()
@@ -189,5 +190,5 @@ async def test_a_restore_gives_the_module_its_own_storages_back(layer: DeviceLay
 async def test_a_per_storage_store_on_its_own_storages_needs_no_restore(layer: DeviceLayer) -> None:
     """A store whose units are the module's own storages (on pageable memory) leaves the
     module as it is at detach."""
-    store = TensorStore("lm", TiedLM(), layer)
+    store = device_store("lm", TiedLM(), layer)
     assert needs_restore(store) == layer.pinned

@@ -18,6 +18,7 @@ from lifecycle.testing import FaultInjection, InjectedFault
 from strategies import DeviceLayer, StoreError
 from strategies.protocol import StoreReport, TensorStore, forget_locals, prepare_discard, prepare_undiscard
 from tests.helpers import TiedLM
+from tests.strategies.device_modules import device_store, on_the_device
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -90,7 +91,7 @@ async def placed(store: TensorStore) -> None:
 def test_tied_weights_are_one_tensor_under_every_name(layer: DeviceLayer) -> None:
     """A weight tied to another module's is one slot with both names, listed once."""
     lm = TiedLM()
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     embed, _ = store.slot_named("embed.weight")
     assert store.slot_named("head.weight")[0] is embed
     assert embed.names == ["embed.weight", "head.weight"]
@@ -103,7 +104,7 @@ def test_a_view_shares_its_tensors_storage_and_stops_being_a_view(layer: DeviceL
     unit), and no longer keeps the tensor it was sliced from alive."""
     lm = TiedLM()
     assert lm.first_row._base is not None
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     unit = store.slot_named("first_row")[1]
     assert unit is store.slot_named("embed.weight")[1]
     assert [[s.names for s in st.slots] for st in unit.storages] == [
@@ -117,7 +118,7 @@ def test_a_flat_buffer_is_cut_into_one_region_per_group_of_overlapping_tensors(
         layer: DeviceLayer) -> None:
     """Parameters packed into one storage move as regions: disjoint tensors apart (each with its
     layer), overlapping ones together; every region remembers the storage it came from."""
-    store = TensorStore("p", Packed(), layer, ["a", "b"])
+    store = device_store("p", Packed(), layer, ["a", "b"])
     assert {u.key: [(st.base, st.nbytes) for st in u.storages] for u in store.units} == {
         "a": [(0, 64)], "b": [(128, 64)]}
     assert [s.names for s in store.by_key["b"].slot_list] == [["b.weight"], ["b.bias"]]
@@ -130,7 +131,7 @@ async def test_regions_of_a_flat_buffer_move_on_their_own(layer: DeviceLayer) ->
     (the overlapping bias still views the weight's bytes)."""
     module = Packed()
     before = values(module)
-    store = TensorStore("p", module, layer, ["a", "b"])
+    store = device_store("p", module, layer, ["a", "b"])
     (await store.prepare_to_host([store.by_key["b"]])).commit()
     assert [u.where for u in store.units] == ["device", "host"]
     assert same(module, before)
@@ -144,7 +145,7 @@ async def test_regions_of_a_flat_buffer_move_on_their_own(layer: DeviceLayer) ->
 def test_recomputed_weights_are_derived_not_inventoried(layer: DeviceLayer) -> None:
     """weight_norm's and spectral_norm's ``weight`` is no tensor of the store: the store knows
     it as derived from the parameters it is computed from."""
-    store = TensorStore("n", normed(), layer)
+    store = device_store("n", normed(), layer)
     assert sorted(n for n, _ in store.named_tensors()) == [
         "0.bias", "0.weight_g", "0.weight_v", "1.bias", "1.weight_orig", "1.weight_u",
         "1.weight_v"]
@@ -157,7 +158,7 @@ async def test_recomputed_weights_are_released_with_their_parameters_and_compute
     """On the host a recomputed weight is an empty placeholder; back on the device it is what
     its hook computes, bit for bit."""
     module = normed()
-    store = TensorStore("n", module, layer)
+    store = device_store("n", module, layer)
     first = module[0]
     assert isinstance(first, nn.Linear)
     expected = first.weight.detach().clone()
@@ -170,7 +171,7 @@ async def test_recomputed_weights_are_released_with_their_parameters_and_compute
 def test_state_is_what_an_update_can_bring_back(layer: DeviceLayer) -> None:
     """Parameters and persistent buffers are state; non-persistent buffers and tensor
     attributes (plain or in a list) are managed too, but are not."""
-    store = TensorStore("x", Extras(), layer)
+    store = device_store("x", Extras(), layer)
     assert {n: s.state for n, s in ((n, store.slot_named(n)[0]) for n, _ in store.named_tensors())} == {
         "cache": False, "lin.bias": True, "lin.weight": True, "rotary[0]": False, "scale": True,
         "table": False}
@@ -181,7 +182,7 @@ async def test_strides_of_a_transposed_parameter_survive_a_round_trip(layer: Dev
     module = nn.Linear(4, 8)
     module.weight = nn.Parameter(torch.randn(4, 8).t())
     before = values(module)
-    store = TensorStore("t", module, layer)
+    store = device_store("t", module, layer)
     await offloaded(store)
     assert module.weight.stride() == (1, 8) and same(module, before)
     await placed(store)
@@ -211,7 +212,7 @@ def test_tensors_that_cannot_be_placed_are_refused_by_name(
 async def test_stale_tensors_stay_stale_through_a_rescan(layer: DeviceLayer) -> None:
     """Tensors a discarding sleep dropped are stale after the wake, and a new inventory of the
     module (a rescan) still says so."""
-    store = TensorStore("x", Extras(), layer)
+    store = device_store("x", Extras(), layer)
     move = await prepare_discard(store, everything=True)
     assert move is not None
     move.commit()
@@ -225,8 +226,9 @@ async def test_a_rescan_takes_in_a_replaced_tensor_unless_the_store_is_offloaded
     """A parameter replaced behind the store is noticed; on the device a rescan takes it in,
     offloaded the store refuses (the old tensor's bytes live in its mirror)."""
     module = Extras()
-    store = TensorStore("x", module, layer)
+    store = device_store("x", module, layer)
     module.lin.weight = nn.Parameter(torch.zeros(4, 4))
+    on_the_device(module, layer)  # (the new one in device memory too)
     assert store.structure_changed() == ["weight"]
     store.rescan()
     assert store.structure_changed() == []
@@ -244,7 +246,7 @@ async def test_a_parameter_replaced_by_a_host_tensor_while_placed_is_refused_by_
     host buffer of the layer's own: off the device tier of every layer) is refused by a
     rescan, by name, and the store keeps the inventory it had."""
     module = Extras()
-    store = TensorStore("x", module, layer)
+    store = device_store("x", module, layer)
     await store.adopt()  # (a module built in host memory: its units get mirrors first)
     (await store.prepare_to_device(store.select("host"))).commit()
     assert {u.where for u in store.units} == {"device"}
@@ -264,7 +266,7 @@ async def test_a_round_trip_keeps_every_value_and_every_tensor_object(layer: Dev
     where the bytes are at each step."""
     lm = TiedLM()
     before, params = values(lm), list(lm.parameters())
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     assert store.report() == StoreReport(5824, 0, 0)
     await offloaded(store)
     host = sum(u.nbytes for u in store.units)
@@ -281,7 +283,7 @@ async def test_only_changed_units_are_copied_back(layer: DeviceLayer) -> None:
     to the host; an in-place change copies that unit only; a write that bypasses the version
     counter is copied once it is declared (``mark_dirty``)."""
     module = Extras()
-    store = TensorStore("x", module, layer)
+    store = device_store("x", module, layer)
     await offloaded(store)
     await placed(store)
     move = await store.prepare_to_host(store.units)
@@ -314,7 +316,7 @@ async def test_a_move_failing_at_any_copy_or_allocation_leaves_nothing_behind(
             layer = faulty()
             lm = TiedLM()
             before = values(lm)
-            store = TensorStore("lm", lm, layer)
+            store = device_store("lm", lm, layer)
             if direction == "to device":
                 await offloaded(store)
             report, ptrs = store.report(), pointers(lm)
@@ -342,7 +344,7 @@ async def test_a_move_cancelled_between_chunks_is_rolled_back(
     layer = faulty()
     lm = TiedLM()
     before = values(lm)
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     if direction == "to device":
         await offloaded(store)
     report, ptrs = store.report(), pointers(lm)
@@ -361,7 +363,7 @@ async def test_recomputed_weights_count_in_device_bytes_and_in_the_total(
         layer: DeviceLayer) -> None:
     """Placed, a component holds its recomputed weights on the device: they count in its
     device bytes and its total alike (device bytes equal the total), never on the host."""
-    store = TensorStore("n", normed(), layer)
+    store = device_store("n", normed(), layer)
     stored = sum(u.nbytes for u in store.units)
     assert (stored, store.nbytes) == (3520, 3520 + 2048 + 1024)
     assert store.report().device_bytes == store.nbytes

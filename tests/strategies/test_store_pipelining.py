@@ -17,6 +17,7 @@ from strategies import DeviceLayer
 from strategies._store import Move
 from strategies.devices import CopyPair, Tier
 from strategies.protocol import TensorStore, forget_locals
+from tests.strategies.device_modules import device_store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -64,7 +65,7 @@ async def ready(layer: DeviceLayer, direction: str
     module, its values, the store, and the move's ``prepare``."""
     module = stack()
     before = values(module)
-    store = TensorStore("s", module, layer)
+    store = device_store("s", module, layer)
     if direction == "device":
         (await store.prepare_to_host(store.units)).commit()
     return module, before, store, (store.prepare_to_host if direction == "host"

@@ -24,6 +24,7 @@ from strategies.protocol import (
     safetensors_regions,
 )
 from tests.helpers import TiedLM
+from tests.strategies.device_modules import device_store
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -92,7 +93,7 @@ async def test_a_write_lands_in_place_and_the_commit_keeps_it(
     """Prepared, the new values are in the live tensors (the same objects at the same
     addresses, a tied weight under either name); committed, they stay."""
     lm = TiedLM()
-    store = TensorStore("lm", lm, layer, whole=where == "offloaded")
+    store = device_store("lm", lm, layer, whole=where == "offloaded")
     await setup(store, where)
     new = fresh_values(store)
     addresses = [t.data_ptr() for t in lm.state_dict().values()]
@@ -111,7 +112,7 @@ async def test_an_undone_write_restores_every_tensor(layer: DeviceLayer, where: 
     old value again, and a mirror that was current still is (the next sleep copies nothing)."""
     lm = TiedLM()
     before = values(lm)
-    store = TensorStore("lm", lm, layer, whole=where == "offloaded")
+    store = device_store("lm", lm, layer, whole=where == "offloaded")
     await setup(store, where)
     move = await store.prepare_write(sources(fresh_values(store)))
     await move.undo()
@@ -134,7 +135,7 @@ async def test_a_write_failing_at_any_copy_or_allocation_restores_what_it_wrote(
             layer = faulty()
             lm = TiedLM()
             before = values(lm)
-            store = TensorStore("lm", lm, layer, whole=where == "offloaded")
+            store = device_store("lm", lm, layer, whole=where == "offloaded")
             await setup(store, where)
             new = fresh_values(store)
             regions = file_regions(new, tmp_path / f"{kind}{k}.safetensors") if from_file else None
@@ -161,7 +162,7 @@ async def test_a_loader_that_raises_leaves_every_tensor_as_it_was(layer: DeviceL
     error propagates as it is."""
     lm = TiedLM()
     before = values(lm)
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     new = fresh_values(store)
 
     def broken() -> torch.Tensor:
@@ -176,7 +177,7 @@ async def test_after_the_commit_the_mirrors_catch_up_in_the_background(layer: De
     """Settled, a committed write starts refreshing the host mirrors of what it wrote; once
     that landed, the next move to the host copies nothing and finds the new values there."""
     lm = TiedLM()
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     await mirrored(store)
     new = fresh_values(store)
     move: WriteMove = await store.prepare_write(sources(new))
@@ -193,7 +194,7 @@ async def test_a_write_makes_a_tensor_dirty_until_its_mirror_is_refreshed(
     """Without the background refresh (not settled), the written tensors' units are the ones
     the next move to the host copies, and only those."""
     lm = TiedLM()
-    store = TensorStore("lm", lm, layer)
+    store = device_store("lm", lm, layer)
     await mirrored(store)
     written = ["blocks.0.1.weight"]
     (await store.prepare_write(sources(fresh_values(store, written)))).commit()
