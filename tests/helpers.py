@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lifecycle.testing import FaultInjection, FaultyDevice, faulty_cpu_layer_class, faulty_device_layer
+from strategies import DeviceLayer
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -156,3 +157,24 @@ def device_tier_storages(pipe: dict[str, nn.Module], ctl: object) -> dict[str, i
             if on_device and ptr not in found:
                 found[ptr] = (f"{cname}.{name}", st.nbytes())
     return dict(found.values())
+
+
+def on_the_device(t: torch.Tensor, layer: DeviceLayer, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of ``t`` (cast to ``dtype``) in ``layer``'s device memory, as torch makes a new
+    tensor on a GPU (``t.to(dtype)``, a replacement built there): allocated by the layer, so a
+    simulated GPU whose device memory is its own (RESIDENCY_SIM_HOST_MODULES=1) counts it as
+    device memory too; a CPU tensor on the CPU layers."""
+    dtype = dtype or t.dtype
+    nbytes = t.numel() * dtype.itemsize
+    out = layer.alloc(nbytes, "device")[:nbytes].view(dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def cast_by_hand(module: nn.Module, dtype: torch.dtype, layer: DeviceLayer) -> None:
+    """``module.to(dtype)`` done by hand on the device (:func:`on_the_device`), as it happens on
+    a GPU: every floating parameter and buffer re-pointed at a new device tensor."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_floating_point():
+                t.data = on_the_device(t, layer, dtype)

@@ -16,7 +16,7 @@ from torch import nn
 
 from lifecycle import InfeasibleBudget, LifecycleController, ResidencyPlan, WeightsDiscarded
 from strategies import ResidencyConfig
-from tests.helpers import faulty_device
+from tests.helpers import cast_by_hand, faulty_device
 from tests.models.zoo import _clip_config, _clip_inputs
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -456,9 +456,10 @@ async def test_a_resident_component_moved_by_hand_is_adopted_exactly() -> None:
     cast by hand is taken as it now is (warned), and serves, sleeps and wakes in float64."""
     model = Small()
     x = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    async with LifecycleController(device_layer=faulty_device(), residency="m=resident") as ctl:
+    layer = faulty_device()
+    async with LifecycleController(device_layer=layer, residency="m=resident") as ctl:
         await ctl.attach({"m": model})
-        model.to(torch.float64)
+        cast_by_hand(model, torch.float64, layer)  # (model.to(torch.float64) on a GPU)
         with torch.no_grad():
             expected = model(x)
         async with ctl.use("m"):
