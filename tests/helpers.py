@@ -178,3 +178,14 @@ def cast_by_hand(module: nn.Module, dtype: torch.dtype, layer: DeviceLayer) -> N
         for t in [*module.parameters(), *module.buffers()]:
             if t.is_floating_point():
                 t.data = on_the_device(t, layer, dtype)
+
+
+def attach_allocates(module: nn.Module, layer: DeviceLayer) -> bool:
+    """Whether attaching ``module`` as it is now makes ``layer`` allocate the device buffers of
+    what it keeps on the device: yes when its tensors are host memory (a model built on the CPU,
+    on a GPU or on a simulated GPU whose device memory is its own), no when they are on the
+    layer's device tier already (on the CPU layers, or a simulated GPU sharing host memory:
+    adopted in place, so the layer's own allocations leave them out)."""
+    tiers = {layer.on_device(t) for t in module.state_dict().values() if t.numel()}
+    assert len(tiers) == 1, f"{type(module).__name__} is partly on the device tier"
+    return not tiers.pop()
