@@ -171,13 +171,19 @@ def on_the_device(t: torch.Tensor, layer: DeviceLayer, dtype: torch.dtype | None
     return out
 
 
-def cast_by_hand(module: nn.Module, dtype: torch.dtype, layer: DeviceLayer) -> None:
-    """``module.to(dtype)`` done by hand on the device (:func:`on_the_device`), as it happens on
-    a GPU: every floating parameter and buffer re-pointed at a new device tensor."""
+def to_the_device(module: nn.Module, layer: DeviceLayer, dtype: torch.dtype | None = None
+                  ) -> None:
+    """``module.to(device, dtype)`` as on a GPU: every parameter and buffer re-pointed at a new
+    tensor in the device's memory (:func:`on_the_device`; floating ones cast to ``dtype``)."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            if t.is_floating_point():
-                t.data = on_the_device(t, layer, dtype)
+            t.data = on_the_device(t, layer, dtype if t.is_floating_point() else None)
+
+
+def cast_by_hand(module: nn.Module, dtype: torch.dtype, layer: DeviceLayer) -> None:
+    """``module.to(dtype)`` done by hand on the device (:func:`to_the_device`), as it happens
+    on a GPU."""
+    to_the_device(module, layer, dtype)
 
 
 def attach_allocates(module: nn.Module, layer: DeviceLayer) -> bool:
