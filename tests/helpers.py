@@ -171,19 +171,35 @@ def on_the_device(t: torch.Tensor, layer: DeviceLayer, dtype: torch.dtype | None
     return out
 
 
-def to_the_device(module: nn.Module, layer: DeviceLayer, dtype: torch.dtype | None = None
-                  ) -> None:
-    """``module.to(device, dtype)`` as on a GPU: every parameter and buffer re-pointed at a new
-    tensor in the device's memory (:func:`on_the_device`; floating ones cast to ``dtype``)."""
+def to_the_device(*modules: nn.Module, layer: DeviceLayer) -> None:
+    """Move ``modules`` into ``layer``'s device memory before attach (as ``pipe.to("cuda")``
+    on a GPU, views kept: one new device storage per storage, every parameter and buffer
+    re-pointed at its place in it). On the CPU layers a copy where they were."""
+    storages: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            t.data = on_the_device(t, layer, dtype if t.is_floating_point() else None)
+        for module in modules:
+            for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
+                st = t.untyped_storage()
+                if not st.nbytes():
+                    continue
+                if (buf := storages.get(st.data_ptr())) is None:
+                    buf = layer.alloc(st.nbytes(), "device")[:st.nbytes()]
+                    buf.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+                    storages[st.data_ptr()] = buf
+                start = buf.storage_offset()
+                assert start % t.element_size() == 0, "a device buffer misaligned for its dtype"
+                t.data = torch.empty(0, dtype=t.dtype).set_(
+                    buf.untyped_storage(), start // t.element_size() + t.storage_offset(),
+                    t.size(), t.stride())
 
 
 def cast_by_hand(module: nn.Module, dtype: torch.dtype, layer: DeviceLayer) -> None:
-    """``module.to(dtype)`` done by hand on the device (:func:`to_the_device`), as it happens
-    on a GPU."""
-    to_the_device(module, layer, dtype)
+    """``module.to(dtype)`` done by hand on the device, as it happens on a GPU: every
+    floating parameter and buffer re-pointed at a new device tensor (:func:`on_the_device`)."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_floating_point():
+                t.data = on_the_device(t, layer, dtype)
 
 
 def attach_allocates(module: nn.Module, layer: DeviceLayer) -> bool:

@@ -44,8 +44,7 @@ async def make() -> AsyncIterator[Make]:
             expected = pipe.forward_sync(steps=2)
             layer = layer or faulty_device()
             if on_device:
-                for module in pipe.modules.values():
-                    to_the_device(module, layer)
+                to_the_device(*pipe.modules.values(), layer=layer)
             ctl = LifecycleController(device_layer=layer, residency=residency,
                                       **kwargs)  # type: ignore[arg-type]
             stack.push_async_callback(ctl.aclose)
