@@ -666,8 +666,11 @@ class LifecycleController:
         try:
             return copied + await self._transact("set_residency", prepare_for(then))
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._transact("set_residency", prepare_for(old, kept))
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._transact("set_residency", prepare_for(old, kept))
+            finally:
+                kept.clear()  # (the error raised keeps this frame: not the mirrors)
             raise
 
     # -- sleep / wake ------------------------------------------------------------------
