@@ -35,6 +35,7 @@ from strategies import (
 )
 from strategies.protocol import (
     ComputeGuard,
+    KeptMirrors,
     PreparedMove,
     Shape,
     TensorStore,
@@ -354,13 +355,15 @@ class Components(Mapping[str, AttachedComponent]):
 
         return changed, prepare
 
-    async def prepare_shape(self, c: AttachedComponent, shape: Shape) -> PreparedMove:
+    async def prepare_shape(self, c: AttachedComponent, shape: Shape, *,
+                            mirrors: KeptMirrors | None = None) -> PreparedMove:
         """Prepare ``c``'s move to ``shape``: a new store over the old one's storages, placed
-        as the phase wants; the strategies are swapped at commit."""
+        as the phase wants; the strategies are swapped at commit. ``mirrors``: an earlier
+        store's, given back (``prepare_regroup``)."""
         old = c.strategy.store
         new = shape.store(c.name, c.module, self._layer, layout=old)
         on_device = shape.awake_units(new) if self._owner.phase is Phase.AWAKE else []
-        move = await prepare_regroup(old, new, on_device)
+        move = await prepare_regroup(old, new, on_device, mirrors=mirrors)
 
         def swap() -> None:
             c.strategy.close()

@@ -32,6 +32,7 @@ from strategies import (
     make_device_layer,
 )
 from strategies.protocol import (
+    KeptMirrors,
     PreparedMove,
     Shape,
     forget_files,
@@ -646,12 +647,12 @@ class LifecycleController:
         is followed by putting the released ones back as they were (shielded), and its error
         raised. (If that put-back fails too, its own TransitionFailed is raised and those
         components stay in their new, offloaded, shape.)"""
-        def prepare_for(shapes: Mapping[str, Shape]
+        def prepare_for(shapes: Mapping[str, Shape], kept: Mapping[str, KeptMirrors] | None = None
                         ) -> Callable[[list[PreparedMove]], Awaitable[None]]:
             async def prepare(moves: list[PreparedMove]) -> None:
                 for name, shape in shapes.items():
-                    moves.append(await self._components.prepare_shape(self._components[name],
-                                                                      shape))
+                    moves.append(await self._components.prepare_shape(
+                        self._components[name], shape, mirrors=(kept or {}).get(name)))
             return prepare
 
         steps = self._hand_off_steps(wanted)
@@ -659,12 +660,18 @@ class LifecycleController:
             return await self._transact("set_residency", prepare_for(wanted))
         first, then = steps
         old = {n: Shape.of(self._components[n].strategy) for n in first}
+        # The released ones' host mirrors, held until the load is done: a put-back gives them
+        # back (their placement and host bytes as before, not only their mode).
+        kept = {n: self._components[n].strategy.store.kept_mirrors() for n in first}
         copied = await self._transact("set_residency", prepare_for(first))
         try:
             return copied + await self._transact("set_residency", prepare_for(then))
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._transact("set_residency", prepare_for(old))
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._transact("set_residency", prepare_for(old, kept))
+            finally:
+                kept.clear()  # (the error raised keeps this frame: not the mirrors)
             raise
 
     # -- sleep / wake ------------------------------------------------------------------

@@ -79,9 +79,10 @@ def plan_reshape(layer: DeviceLayer, components: Mapping[str, AttachedComponent]
     Counts every fresh host buffer of its regroups (pinned within the pin budget, in the
     order the allocations ask, as they decide; else pageable). The whole change is checked
     at once, and the old stores' host buffers are not credited as freed: a hand-off while
-    awake commits in two transactions and the first one's old mirrors are freed at its
-    commit, so the check may refuse a change that would fit only thanks to them (it
-    over-counts by at most those mirrors), never admit one that does not fit."""
+    awake commits in two transactions and keeps the first one's old mirrors until the
+    second is done (a failed load gives them back); its other old host buffers are freed
+    at its commit, so the check may refuse a change that would fit only thanks to those
+    (it over-counts by at most them), never admit one that does not fit."""
     ledger = layer.host
     pinned_extra = needed = 0
     names: list[str] = []

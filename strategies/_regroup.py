@@ -29,7 +29,7 @@ import torch
 
 from ._errors import undo_on_failure
 from ._inventory import Storage, Unit
-from ._store import Progress, TensorStore
+from ._store import KeptMirrors, Progress, TensorStore, mirror_key
 from .devices import CopyPair, Tier
 
 __all__ = ["RegroupMove", "RestoreMove", "needs_restore", "prepare_regroup", "prepare_restore",
@@ -44,6 +44,7 @@ class _Placement:
     to: Tier
     old: Unit | None = None  # carried over (same storages); None: copied into ``buf``
     buf: torch.Tensor | None = None  # new device buffer or new host mirror
+    mirror: tuple[torch.Tensor, bool] | None = None  # a kept mirror given back (and current?)
 
 
 @dataclass(eq=False)
@@ -87,6 +88,9 @@ def _place(store: TensorStore, p: _Placement, versions: dict[int, int]) -> None:
         if p.to == "device":
             unit.host, unit.mirror_current = None, False
             store.point_to_device(unit, p.buf)
+            if p.mirror is not None:
+                store.adopt_mirror(unit, p.mirror[0])
+                unit.mirror_current = p.mirror[1]
         else:
             store.adopt_mirror(unit, p.buf)
             store.point_to_host(unit)
@@ -138,14 +142,20 @@ def regroup_device_bytes(old: TensorStore, new: TensorStore, on_device: Sequence
 
 
 async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequence[Unit],
-                          progress: Progress | None = None) -> RegroupMove:
+                          progress: Progress | None = None, *,
+                          mirrors: KeptMirrors | None = None) -> RegroupMove:
     """Prepare placing ``new`` (a store built with ``layout=old``) with ``on_device`` on the
-    device and every other unit on the host, copying from wherever ``old`` has the bytes."""
+    device and every other unit on the host, copying from wherever ``old`` has the bytes.
+    ``mirrors``: host mirrors an earlier store kept (:meth:`TensorStore.kept_mirrors`):
+    a unit that comes onto the device over the same storages takes its mirror back, as
+    current as it was (a put-back restores the mirrors the move it undoes dropped)."""
     # The same storage in both stores holds the same tensor objects.
     by_tensor = {id(slot.tensor): st for st in old.storages() for slot in st.slots}
     old_of = {id(st): by_tensor[id(st.slots[0].tensor)] for st in new.storages()}
     device_ids = {id(u) for u in on_device}
     move = RegroupMove(new, old, [])
+    if mirrors is not None:
+        new.pageable_keys, new.pin_reason = set(mirrors.pageable_keys), mirrors.pin_reason
     pairs: dict[Tier, list[CopyPair]] = {"device": [], "host": []}
     async with undo_on_failure(move.undo, pairs):
         fresh: list[_Placement] = []  # filled from wherever the bytes are, into a new buffer
@@ -165,6 +175,8 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
                 old.add_pending(unit.nbytes)
                 pairs["device"].append((p.buf, same.host))
                 continue
+            if to == "device" and mirrors and (kept := mirrors.mirrors.get(mirror_key(unit))):
+                p.mirror = kept
             fresh.append(p)
         hosts = [p for p in fresh if p.to == "host"]
         if hosts and new.layer.pinned:  # page-locking is slow: off the loop, in one go

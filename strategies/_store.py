@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,6 +52,25 @@ CHUNK = 256 * 2**20  # bytes per copy batch: progress and cancellation points in
 IN_FLIGHT = 2  # copy batches handed to the layer at once (the link never waits for the host)
 Progress = Callable[[int], None]  # told the bytes of each copied chunk
 _log = logging.getLogger("residency.store")
+
+
+@dataclass(frozen=True)
+class KeptMirrors:
+    """A store's host mirrors of its units on the device, kept across a move that drops
+    them (:meth:`TensorStore.kept_mirrors`) for a move undoing it to give back
+    (``prepare_regroup(..., mirrors=)``): each by :func:`mirror_key`, with whether it is
+    current, and the store's pin choices (pageable units, why)."""
+
+    mirrors: Mapping[tuple[int, ...], tuple[torch.Tensor, bool]]
+    pageable_keys: frozenset[str]
+    pin_reason: str
+
+
+def mirror_key(unit: Unit) -> tuple[int, ...]:
+    """A unit's storages as every store over the same tensors names them (each storage by
+    the least id of its tensors), in order: a mirror fits a unit of another store with the
+    same key (the same storages at the same offsets)."""
+    return tuple(min(id(slot.tensor) for slot in st.slots) for st in unit.storages)
 
 
 @dataclass(frozen=True)
@@ -365,6 +384,13 @@ class TensorStore:
             await anyio.to_thread.run_sync(allocate)
         else:
             allocate()
+
+    def kept_mirrors(self) -> KeptMirrors:
+        """The host mirrors of the units on the device now, and the pin choices: what a move
+        that drops them gives back when another move undoes it (a hand-off's put-back)."""
+        return KeptMirrors({mirror_key(u): (u.host, not u.dirty()) for u in self.units
+                            if u.where == "device" and u.host is not None},
+                           frozenset(self.pageable_keys), self.pin_reason)
 
     def adopt_mirror(self, unit: Unit, host: torch.Tensor) -> None:
         """Make ``host`` (a host buffer of the unit's size) ``unit``'s mirror."""

@@ -36,7 +36,7 @@ from ._regroup import (
     regroup_host_plan,
 )
 from ._resident import ResidentStrategy
-from ._store import Move, PreparedMove, StoreReport, TensorStore
+from ._store import KeptMirrors, Move, PreparedMove, StoreReport, TensorStore
 from ._write import WriteMove, WriteSource, host_backup_bytes
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "FileRegion",
     "FileSleepMove",
     "FileWakeMove",
+    "KeptMirrors",
     "Move",
     "PreparedMove",
     "RegroupMove",

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lifecycle.testing import FaultInjection, FaultyDevice, faulty_cpu_layer_class, faulty_device_layer
+from strategies import DeviceLayer
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -156,3 +157,57 @@ def device_tier_storages(pipe: dict[str, nn.Module], ctl: object) -> dict[str, i
             if on_device and ptr not in found:
                 found[ptr] = (f"{cname}.{name}", st.nbytes())
     return dict(found.values())
+
+
+def on_the_device(t: torch.Tensor, layer: DeviceLayer, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of ``t`` (cast to ``dtype``) in ``layer``'s device memory, as torch makes a new
+    tensor on a GPU (``t.to(dtype)``, a replacement built there): allocated by the layer, so a
+    simulated GPU whose device memory is its own (RESIDENCY_SIM_HOST_MODULES=1) counts it as
+    device memory too; a CPU tensor on the CPU layers."""
+    dtype = dtype or t.dtype
+    nbytes = t.numel() * dtype.itemsize
+    out = layer.alloc(nbytes, "device")[:nbytes].view(dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def to_the_device(*modules: nn.Module, layer: DeviceLayer) -> None:
+    """Move ``modules`` into ``layer``'s device memory before attach (as ``pipe.to("cuda")``
+    on a GPU, views kept: one new device storage per storage, every parameter and buffer
+    re-pointed at its place in it). On the CPU layers a copy where they were."""
+    storages: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for module in modules:
+            for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
+                st = t.untyped_storage()
+                if not st.nbytes():
+                    continue
+                if (buf := storages.get(st.data_ptr())) is None:
+                    buf = layer.alloc(st.nbytes(), "device")[:st.nbytes()]
+                    buf.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+                    storages[st.data_ptr()] = buf
+                start = buf.storage_offset()
+                assert start % t.element_size() == 0, "a device buffer misaligned for its dtype"
+                t.data = torch.empty(0, dtype=t.dtype).set_(
+                    buf.untyped_storage(), start // t.element_size() + t.storage_offset(),
+                    t.size(), t.stride())
+
+
+def cast_by_hand(module: nn.Module, dtype: torch.dtype, layer: DeviceLayer) -> None:
+    """``module.to(dtype)`` done by hand on the device, as it happens on a GPU: every
+    floating parameter and buffer re-pointed at a new device tensor (:func:`on_the_device`)."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_floating_point():
+                t.data = on_the_device(t, layer, dtype)
+
+
+def attach_allocates(module: nn.Module, layer: DeviceLayer) -> bool:
+    """Whether attaching ``module`` as it is now makes ``layer`` allocate the device buffers of
+    what it keeps on the device: yes when its tensors are host memory (a model built on the CPU,
+    on a GPU or on a simulated GPU whose device memory is its own), no when they are on the
+    layer's device tier already (on the CPU layers, or a simulated GPU sharing host memory:
+    adopted in place, so the layer's own allocations leave them out)."""
+    tiers = {layer.on_device(t) for t in module.state_dict().values() if t.numel()}
+    assert len(tiers) == 1, f"{type(module).__name__} is partly on the device tier"
+    return not tiers.pop()

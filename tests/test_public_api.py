@@ -64,7 +64,7 @@ STRATEGIES_API = {
 PROTOCOL_API = {
     "ResidencyStrategy", "ResidentStrategy", "ComponentOffloadStrategy", "SnapshotOffloadStrategy",
     "build_strategy", "Shape", "check_block_lists", "ComputeGuard", "forget_locals",
-    "TensorStore", "Unit", "StoreReport", "Move", "PreparedMove", "WriteMove", "WriteSource",
+    "TensorStore", "Unit", "StoreReport", "KeptMirrors", "Move", "PreparedMove", "WriteMove", "WriteSource",
     "FileRegion", "safetensors_regions",
     "RegroupMove", "prepare_regroup", "regroup_device_bytes", "regroup_host_plan", "RestoreMove",
     "prepare_restore", "needs_restore",

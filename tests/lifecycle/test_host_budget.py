@@ -12,7 +12,7 @@ import torch
 from lifecycle import HostBudgetExceeded, LifecycleController, Phase, TransitionFailed
 from lifecycle.demo import DemoPipeline
 from strategies import DeviceLayer
-from tests.helpers import faulty_device
+from tests.helpers import attach_allocates, faulty_device, to_the_device
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -33,19 +33,31 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.fixture
 async def make() -> AsyncIterator[Make]:
     """``await make(residency, **controller kwargs)``: an attached demo pipeline, its
-    output before attach; every controller closed after the test."""
+    output before attach; every controller closed after the test. ``on_device``: the
+    pipeline is moved into the device's memory before attach (as ``pipe.to("cuda")``; a
+    pipeline built on the CPU is host memory on a GPU, attached with mirrors already)."""
     async with AsyncExitStack() as stack:
-        async def made(residency: str | None = None, layer: DeviceLayer | None = None,
-                       **kwargs: object) -> tuple[LifecycleController, DemoPipeline, torch.Tensor]:
+        async def made(residency: str | None = None, layer: DeviceLayer | None = None, *,
+                       on_device: bool = False, **kwargs: object
+                       ) -> tuple[LifecycleController, DemoPipeline, torch.Tensor]:
             pipe = DemoPipeline.build(SIZE)
             expected = pipe.forward_sync(steps=2)
-            ctl = LifecycleController(device_layer=layer or faulty_device(), residency=residency,
+            layer = layer or faulty_device()
+            if on_device:
+                to_the_device(*pipe.modules.values(), layer=layer)
+            ctl = LifecycleController(device_layer=layer, residency=residency,
                                       **kwargs)  # type: ignore[arg-type]
             stack.push_async_callback(ctl.aclose)
             await ctl.attach(pipe)
             return ctl, pipe, expected
 
         yield made
+
+
+def built_in_host_memory(layer: DeviceLayer) -> bool:
+    """Whether the demo pipeline, built on the CPU, is host memory for ``layer`` (a GPU's,
+    a simulated GPU's whose device memory is its own): attach then makes its mirrors."""
+    return attach_allocates(DemoPipeline.build(SIZE).modules["text_encoder"], layer)
 
 
 async def output(ctl: LifecycleController, pipe: DemoPipeline) -> torch.Tensor:
@@ -55,9 +67,10 @@ async def output(ctl: LifecycleController, pipe: DemoPipeline) -> torch.Tensor:
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_sleep_whose_mirrors_do_not_fit_is_refused_before_allocating(
         make: Make, mode: str) -> None:
-    """A sleep needing more host bytes than the budget leaves raises HostBudgetExceeded with
-    the numbers; no host buffer was allocated, the pipeline is awake and serves as before."""
-    ctl, pipe, expected = await make(f"transformer={mode}")
+    """A sleep needing more host bytes than the budget leaves (a pipeline on the device at
+    attach: no mirrors yet) raises HostBudgetExceeded with the numbers; no host buffer was
+    allocated, the pipeline is awake and serves as before."""
+    ctl, pipe, expected = await make(f"transformer={mode}", on_device=True)
     layer = ctl.device_layer
     held = ctl.report().host_held_bytes
     ctl.set_host_budget(held + 1)
@@ -180,7 +193,11 @@ async def test_pins_go_to_streamed_layers_first_and_the_rest_stays_pageable(
         (0, components["vae"].host_bytes)
     assert components["vae"].host_tier == "pageable: the pin budget went to units moved more " \
                                           "often"
-    assert report.pin_left == 4096
+    # A pipeline built in host memory attaches with the resident encoder's mirrors made:
+    # pins last, they take what the others left.
+    encoder = components["text_encoder"]
+    assert (encoder.host_bytes > 0) == built_in_host_memory(ctl.device_layer)
+    assert report.pin_left == 4096 - encoder.pinned_bytes >= 0
     assert (await ctl.sleep()).success and (await ctl.wake()).success
     assert torch.equal(await output(ctl, pipe), expected)
 
@@ -351,11 +368,15 @@ async def test_a_residency_change_past_the_pin_budget_makes_its_new_mirrors_page
 
     ctl, pipe, expected = await make(layer=sim_cuda_layer())
     pinned = ctl.report().host_held_pinned
+    # A pipeline built in host memory attaches with the resident transformer's mirrors made,
+    # pinned: the regroup keeps those over the same storages, releases the others.
+    before = ctl.report().components["transformer"].pinned_bytes
+    assert (before > 0) == built_in_host_memory(ctl.device_layer)
     ctl.set_host_budget(None, pin_budget=pinned)
     assert (await ctl.set_residency(f"transformer={target}")).success
     transformer = ctl.report().components["transformer"]
-    assert ctl.report().host_held_pinned == pinned
-    assert transformer.pinned_bytes == 0 and transformer.pageable_bytes > 0
+    assert ctl.report().host_held_pinned == pinned - before + transformer.pinned_bytes
+    assert transformer.pinned_bytes <= before and transformer.pageable_bytes > 0
     assert ctl.device_layer.host.unpinned > 0
     assert torch.equal(await output(ctl, pipe), expected)
     assert (await ctl.sleep()).success and (await ctl.wake()).success

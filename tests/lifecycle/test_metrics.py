@@ -24,7 +24,7 @@ from lifecycle import (
     UpdateResult,
 )
 from lifecycle.metrics import ControllerMetrics
-from tests.helpers import faulty_device, small_pipeline
+from tests.helpers import faulty_device, small_pipeline, to_the_device
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -105,9 +105,11 @@ def make_dirty(pipe: dict[str, nn.Module]) -> None:
 
 async def test_transitions_are_counted_by_trigger_and_outcome(make: Make) -> None:
     """Attach, sleep, a no-op sleep, wake, a committed and a refused update give exactly
-    those counts, durations for the committed ones and the bytes each moved."""
+    those counts, durations for the committed ones and the bytes each moved (a pipeline on
+    the device at attach: its sleep copies)."""
     ctl = make("cpu")
     pipe = small_pipeline()
+    to_the_device(*pipe.values(), layer=ctl.device_layer)
     with ControllerMetrics(ctl) as metrics:
         assert counted(metrics) == {} and timed(metrics) == {}
         await ctl.attach(pipe)
@@ -232,11 +234,14 @@ async def test_rolled_back_sleep_counts_as_rolled_back(make: Make) -> None:
 
 
 async def test_cancelled_sleep_counts_as_cancelled(make: Make) -> None:
-    """A sleep cancelled while it copies counts once as cancelled."""
+    """A sleep cancelled while it copies (a pipeline on the device at attach: no mirrors
+    yet) counts once as cancelled."""
     layer = faulty_device()
     ctl = make(device_layer=layer)
+    pipe = small_pipeline()
+    to_the_device(*pipe.values(), layer=layer)
     with ControllerMetrics(ctl) as metrics:
-        await ctl.attach(small_pipeline())
+        await ctl.attach(pipe)
         layer.copy_delay = 0.005
         copies = layer.copies
         async with anyio.create_task_group() as tg:

@@ -15,7 +15,7 @@ from lifecycle import (
     TransitionFailed,
     TransitionRejected,
 )
-from tests.helpers import faulty_device, fingerprints, small_pipeline
+from tests.helpers import faulty_device, fingerprints, small_pipeline, to_the_device
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -127,10 +127,12 @@ async def test_a_discarding_partial_sleep_drops_only_the_components_it_releases(
 
 
 async def test_a_fault_in_a_partial_sleep_rolls_it_back() -> None:
-    """The second copy of a two-component partial sleep fails: both stay on the device and
-    awake, the weights unchanged; the same sleep then succeeds."""
+    """The second copy of a two-component partial sleep fails (a pipeline on the device at
+    attach: its sleep copies): both stay on the device and awake, the weights unchanged; the
+    same sleep then succeeds."""
     layer = faulty_device()
     pipe = small_pipeline()
+    to_the_device(*pipe.values(), layer=layer)
     async with LifecycleController(device_layer=layer) as ctl:
         await ctl.attach(pipe)
         before, sums = device_bytes(ctl), fingerprints(pipe)

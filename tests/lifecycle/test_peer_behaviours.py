@@ -16,7 +16,7 @@ from torch import nn
 
 from lifecycle import InfeasibleBudget, LifecycleController, ResidencyPlan, WeightsDiscarded
 from strategies import ResidencyConfig
-from tests.helpers import faulty_device
+from tests.helpers import cast_by_hand, faulty_device
 from tests.models.zoo import _clip_config, _clip_inputs
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
@@ -456,9 +456,10 @@ async def test_a_resident_component_moved_by_hand_is_adopted_exactly() -> None:
     cast by hand is taken as it now is (warned), and serves, sleeps and wakes in float64."""
     model = Small()
     x = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    async with LifecycleController(device_layer=faulty_device(), residency="m=resident") as ctl:
+    layer = faulty_device()
+    async with LifecycleController(device_layer=layer, residency="m=resident") as ctl:
         await ctl.attach({"m": model})
-        model.to(torch.float64)
+        cast_by_hand(model, torch.float64, layer)  # (model.to(torch.float64) on a GPU)
         with torch.no_grad():
             expected = model(x)
         async with ctl.use("m"):
@@ -495,12 +496,15 @@ async def test_a_residency_hand_off_releases_the_old_owner_before_loading_the_ne
         assert torch.equal(await pipe.generate(ctl=ctl, steps=2), expected)
 
 
+@pytest.mark.parametrize("mirrored", [False, True], ids=["as-attached", "mirrored"])
 @pytest.mark.parametrize("point", ["copy_at", "alloc_at"])
-async def test_a_hand_off_whose_load_fails_at_any_point_puts_the_old_owner_back(point: str
-                                                                                ) -> None:
+async def test_a_hand_off_whose_load_fails_at_any_point_puts_the_old_owner_back(
+        point: str, mirrored: bool) -> None:
     """The same hand-off with a fault at every copy and allocation of its load (the
     release already done): TransitionFailed, the old owner on the device again, every
-    mode and output as before; a retry then succeeds."""
+    mode, placement, host mirror and output as before; a retry then succeeds. Mirrored: the
+    old owner holds a host mirror (a sleep and wake made it; a model built on the CPU
+    attaches with one on a GPU), which the put-back gives back."""
     from lifecycle import TransitionFailed
     from lifecycle.demo import DemoPipeline
 
@@ -509,6 +513,10 @@ async def test_a_hand_off_whose_load_fails_at_any_point_puts_the_old_owner_back(
     layer = faulty_device()
     async with LifecycleController(device_layer=layer, residency=SWAP_FROM) as ctl:
         await ctl.attach(pipe)
+        if mirrored:
+            await ctl.sleep()
+            await ctl.wake()
+            assert ctl.report().components["text_encoder"].host_bytes > 0
         before = ctl.report()
         for at in range(1, 500):
             layer.arm(**{point: at})

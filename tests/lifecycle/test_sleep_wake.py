@@ -8,9 +8,11 @@ from torch import nn
 
 from lifecycle import LifecycleController, Phase
 from tests.helpers import (
+    attach_allocates,
     faulty_device,
     fingerprints,
     layer,
+    on_the_device,
     run_pipeline,
     small_pipeline,
     tensor_ids,
@@ -81,13 +83,16 @@ async def test_wake_keeps_dtype_shape_requires_grad_and_tied_weights() -> None:
 
 
 async def test_unchanged_weights_sleep_without_copying_and_mirrors_are_reused() -> None:
-    """The first sleep fills the mirrors; later sleeps copy nothing and allocate no host memory."""
+    """The first sleep fills the mirrors (a pipeline in host memory attaches with them
+    made, current: it copies nothing either); later sleeps copy nothing and allocate no host
+    memory."""
     layer = faulty_device()
     pipe = small_pipeline()
+    made_at_attach = attach_allocates(pipe["transformer"], layer)
     ctl = LifecycleController(device_layer=layer)
     await ctl.attach(pipe)
     first = await ctl.sleep()
-    assert first.bytes_moved == total_bytes(pipe)
+    assert first.bytes_moved == (0 if made_at_attach else total_bytes(pipe))
     await ctl.wake()
     host_allocs = layer.host_allocations
     copies = layer.copies
@@ -150,8 +155,9 @@ async def test_replaced_parameter_is_picked_up_at_the_next_sleep() -> None:
     await ctl.sleep()
     await ctl.wake()
     lin = layer(pipe["transformer"], 0, nn.Linear)
-    lin.weight.data = torch.full_like(lin.weight, 0.25)
-    lin.bias = nn.Parameter(torch.full_like(lin.bias, -1.0))
+    # (built on the device, as a GPU user would: host memory there would be refused)
+    lin.weight.data = on_the_device(torch.full_like(lin.weight, 0.25), ctl.device_layer)
+    lin.bias = nn.Parameter(on_the_device(torch.full_like(lin.bias, -1.0), ctl.device_layer))
     expected = fingerprints(pipe)
     await ctl.sleep()
     assert ctl.report().device_bytes == 0

@@ -18,7 +18,7 @@ from lifecycle._blocking import SyncLifecycleController
 from lifecycle._checksum import tensor_sha256
 from lifecycle._planner import ResidencyPlan
 from lifecycle._results import Computed
-from tests.helpers import faulty_device, fingerprints, run_pipeline, small_pipeline
+from tests.helpers import faulty_device, fingerprints, run_pipeline, small_pipeline, to_the_device
 
 pytestmark = pytest.mark.moves
 
@@ -159,10 +159,12 @@ def test_many_threads_calling_at_once_all_get_answers_and_weights_survive(backen
 def test_failed_sleep_raises_transition_failed_in_the_calling_thread_and_retry_works(
         backend: Backend) -> None:
     """An injected copy failure makes sleep raise TransitionFailed in the calling thread,
-    leaves the pipeline AWAKE and intact, and a retry succeeds."""
+    leaves the pipeline AWAKE and intact, and a retry succeeds (a pipeline on the device at
+    attach: its sleep copies)."""
     pipe = small_pipeline()
     sums, outputs = fingerprints(pipe), run_pipeline(pipe)
     layer = faulty_device()
+    to_the_device(*pipe.values(), layer=layer)
     with SyncLifecycleController(device_layer=layer, backend=backend) as sctl:
         sctl.attach(pipe)
         assert sctl.device_layer is layer
