@@ -180,20 +180,20 @@ class SimVmm:
         r.handle, r.access = handle, False
         r.buf.fill_(_POISON)  # new physical memory: undefined bytes
 
-    def set_access(self, va: int, size: int) -> None:
-        self._call("cuMemSetAccess")
-        r = self._res("cuMemSetAccess", va, size)
+    def _mapped(self, name: str, va: int, size: int) -> _Reservation:
+        """The reservation at ``va`` for a call that needs memory mapped there."""
+        self._call(name)
+        r = self._res(name, va, size)
         if r.handle is None:
-            raise VmmError("cuMemSetAccess", CUDA_ERROR_INVALID_VALUE,
-                           _TEXT[CUDA_ERROR_INVALID_VALUE], "nothing is mapped there")
-        r.access = True
+            raise VmmError(name, CUDA_ERROR_INVALID_VALUE, _TEXT[CUDA_ERROR_INVALID_VALUE],
+                           "nothing is mapped there")
+        return r
+
+    def set_access(self, va: int, size: int) -> None:
+        self._mapped("cuMemSetAccess", va, size).access = True
 
     def unmap(self, va: int, size: int) -> None:
-        self._call("cuMemUnmap")
-        r = self._res("cuMemUnmap", va, size)
-        if r.handle is None:
-            raise VmmError("cuMemUnmap", CUDA_ERROR_INVALID_VALUE,
-                           _TEXT[CUDA_ERROR_INVALID_VALUE], "nothing is mapped there")
+        r = self._mapped("cuMemUnmap", va, size)
         r.handle, r.access = None, False
         r.buf.fill_(_POISON)  # whatever reads it now reads garbage (on a GPU: a fault)
 
