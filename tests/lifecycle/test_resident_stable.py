@@ -24,9 +24,9 @@ from strategies import ComponentResidencyError
 from strategies.checking._libcudasim import simulated_cuda_vmm
 from strategies.checking._vmmsim import GraphReplayFault, SimGraph, SimVmm
 from strategies.devices._vmm import CudaVmm, VmmDriver, VmmError
-from tests.helpers import faulty_device
+from tests.helpers import faulty_device, to_the_device
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 STABLE = {"transformer": "resident-stable"}
 
@@ -187,6 +187,10 @@ async def test_a_residency_change_to_or_from_resident_stable_is_refused() -> Non
 async def _started(target: str, layer: Any, fail_at: int | None
                    ) -> tuple[LifecycleController, DemoPipeline, SimVmm]:
     pipe = DemoPipeline.build(1)
+    if target == "sleep":
+        # A model built on the host gets its mirrors at attach (its first sleep then copies
+        # nothing); one already on the device gets them at its first sleep, the moves faulted.
+        to_the_device(*pipe.modules.values(), layer=layer)
     ctl = LifecycleController(residency=STABLE, device_layer=layer)
     sim = driver(layer)
     if target != "attach":
