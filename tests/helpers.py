@@ -159,11 +159,13 @@ def device_tier_storages(pipe: dict[str, nn.Module], ctl: object) -> dict[str, i
     return dict(found.values())
 
 
-def on_the_device(t: torch.Tensor, layer: DeviceLayer, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A copy of ``t`` (cast to ``dtype``) in ``layer``'s device memory, as torch makes a new
+def new_on_the_device(t: torch.Tensor, layer: DeviceLayer, dtype: torch.dtype | None = None
+                      ) -> torch.Tensor:
+    """A new copy of ``t`` (cast to ``dtype``) in ``layer``'s device memory, as torch makes a new
     tensor on a GPU (``t.to(dtype)``, a replacement built there): allocated by the layer, so a
     simulated GPU whose device memory is its own (RESIDENCY_SIM_HOST_MODULES=1) counts it as
-    device memory too; a CPU tensor on the CPU layers."""
+    device memory too; a CPU tensor on the CPU layers. (A tensor made device memory where it is,
+    no copy: ``tests/strategies/device_modules.py``'s ``in_device_memory``.)"""
     dtype = dtype or t.dtype
     nbytes = t.numel() * dtype.itemsize
     out = layer.alloc(nbytes, "device")[:nbytes].view(dtype).view(t.shape)
@@ -195,11 +197,11 @@ def to_the_device(*modules: nn.Module, layer: DeviceLayer) -> None:
 
 def cast_by_hand(module: nn.Module, dtype: torch.dtype, layer: DeviceLayer) -> None:
     """``module.to(dtype)`` done by hand on the device, as it happens on a GPU: every
-    floating parameter and buffer re-pointed at a new device tensor (:func:`on_the_device`)."""
+    floating parameter and buffer re-pointed at a new device tensor (:func:`new_on_the_device`)."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             if t.is_floating_point():
-                t.data = on_the_device(t, layer, dtype)
+                t.data = new_on_the_device(t, layer, dtype)
 
 
 def attach_allocates(module: nn.Module, layer: DeviceLayer) -> bool:

@@ -12,7 +12,7 @@ from tests.helpers import (
     faulty_device,
     fingerprints,
     layer,
-    on_the_device,
+    new_on_the_device,
     run_pipeline,
     small_pipeline,
     tensor_ids,
@@ -156,8 +156,8 @@ async def test_replaced_parameter_is_picked_up_at_the_next_sleep() -> None:
     await ctl.wake()
     lin = layer(pipe["transformer"], 0, nn.Linear)
     # (built on the device, as a GPU user would: host memory there would be refused)
-    lin.weight.data = on_the_device(torch.full_like(lin.weight, 0.25), ctl.device_layer)
-    lin.bias = nn.Parameter(on_the_device(torch.full_like(lin.bias, -1.0), ctl.device_layer))
+    lin.weight.data = new_on_the_device(torch.full_like(lin.weight, 0.25), ctl.device_layer)
+    lin.bias = nn.Parameter(new_on_the_device(torch.full_like(lin.bias, -1.0), ctl.device_layer))
     expected = fingerprints(pipe)
     await ctl.sleep()
     assert ctl.report().device_bytes == 0
