@@ -338,6 +338,7 @@ class SyncLifecycleController:
     tensor_hashes = _awaited(LifecycleController.tensor_hashes)
     tensor_copies = _awaited(LifecycleController.tensor_copies)
     update_weights_from_modules = _awaited(LifecycleController.update_weights_from_modules)
+    wait_for_mirrors = _awaited(LifecycleController.wait_for_mirrors)
 
     def set_residency(self, residency: ResidencyConfig | str | Mapping[str, str]
                       | list[str] | ResidencyPlan | None, *,

@@ -214,7 +214,7 @@ class Components(Mapping[str, AttachedComponent]):
         is in flight: a landed one costs a look-up); report those that failed (their
         tensors stay stale, so the next sleep copies them). The refreshes of components a
         sleep discards are cancelled instead (what they copy is dropped)."""
-        for c in self._by_name.values():
+        for c in list(self._by_name.values()):  # (a component may go while this waits)
             store = c.strategy.store
             if c.name in discard or store.stale_count:
                 await store.cancel_refresh()

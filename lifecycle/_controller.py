@@ -295,6 +295,15 @@ class LifecycleController:
         allocated and reserved bytes) again from the bytes held now."""
         self._layer.reset_peak()
 
+    async def wait_for_mirrors(self) -> None:
+        """Wait for the host-mirror refreshes that weight updates leave running (an update
+        answers once its writes commit; its mirrors are refreshed from the device behind it),
+        as every transition does first. After it, the next sleep copies nothing an update
+        wrote. Call it in an idle moment to keep that wait off the next sleep's clock, or
+        before reading host memory or the mirrors; a refresh that failed is logged
+        (``update.mirror_stale``: the next sleep copies what it left)."""
+        await self._components.land_refreshes()
+
     def mark_dirty(self, components: list[str] | None = None) -> None:
         """Declare host mirrors stale after writes through ``param.data`` (which bypass
         torch's version counter): the next sleep copies those components again."""

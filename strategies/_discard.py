@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import anyio
-import anyio.to_thread
 import torch
 
 from ._errors import undo_on_failure
@@ -71,7 +69,7 @@ def _dropped(st: Storage, drop: set[int]) -> bool:
 
 async def _alloc(store: TensorStore, nbytes: int, tier: Tier) -> torch.Tensor:
     if tier == "host" and store.layer.pinned:  # page-locking is slow: off the loop
-        return await anyio.to_thread.run_sync(store.layer.alloc, nbytes, tier)
+        return await store.layer.off_loop(store.layer.alloc, nbytes, tier)
     return store.layer.alloc(nbytes, tier)
 
 
@@ -228,9 +226,11 @@ async def prepare_undiscard(store: TensorStore, awake: list[Unit],
         if rest:
             move.normal = await store.prepare_to_device(rest, progress)
             move.bytes_copied += move.normal.bytes_copied
+        device_bufs = iter(await store.device_buffers(
+            [u for u in d.units if id(u) in on_device]))
         for unit in d.units:
             tier: Tier = "device" if id(unit) in on_device else "host"
-            buf = store.device_buffer(unit) if tier == "device" else \
+            buf = next(device_bufs) if tier == "device" else \
                 await _alloc(store, unit.nbytes, tier)
             store.layer.label(buf, store.name, unit.key)
             move.placements.append((unit, tier, buf))

@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import anyio
-import anyio.to_thread
 import torch
 
 from ._errors import undo_on_failure
@@ -170,18 +168,21 @@ async def prepare_regroup(old: TensorStore, new: TensorStore, on_device: Sequenc
                 continue
             if same is not None and to == "device" and same.host is not None:
                 p.old = same  # on the host: its current mirror comes in and stays the mirror
-                p.buf = new.layer.alloc(unit.nbytes, "device")
-                move._pending += unit.nbytes
-                old.add_pending(unit.nbytes)
-                pairs["device"].append((p.buf, same.host))
-                continue
-            if to == "device" and mirrors and (kept := mirrors.mirrors.get(mirror_key(unit))):
+            elif to == "device" and mirrors and (kept := mirrors.mirrors.get(mirror_key(unit))):
                 p.mirror = kept
             fresh.append(p)
-        hosts = [p for p in fresh if p.to == "host"]
-        if hosts and new.layer.pinned:  # page-locking is slow: off the loop, in one go
-            await anyio.to_thread.run_sync(_alloc_all, new, hosts)
+        # Off the loop, in one go: device buffers (an allocation the cache cannot serve
+        # synchronizes the device), and pinned host ones (page-locking is slow).
+        made = [p for p in fresh if p.to == "device" or new.layer.pinned]
+        if made:
+            await new.layer.off_loop(_alloc_all, new, made)
         for p in fresh:
+            if p.old is not None:  # its mirror comes in and stays the mirror
+                assert p.buf is not None and p.old.host is not None
+                move._pending += p.unit.nbytes
+                old.add_pending(p.unit.nbytes)
+                pairs["device"].append((p.buf, p.old.host))
+                continue
             if p.buf is None:
                 p.buf = new.layer.alloc(p.unit.nbytes, p.to)
             if p.to == "device":

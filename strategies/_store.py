@@ -381,7 +381,7 @@ class TensorStore:
                     made.append(unit)
 
         if self.layer.pinned and any(u.host is None for u in units):
-            await anyio.to_thread.run_sync(allocate)
+            await self.layer.off_loop(allocate)
         else:
             allocate()
 
@@ -430,6 +430,24 @@ class TensorStore:
             return self.arena.view(unit.key)
         return self.layer.alloc(unit.nbytes, "device")
 
+    async def device_buffers(self, units: Sequence[Unit]) -> list[torch.Tensor]:
+        """:meth:`device_buffer` for each of ``units``, labelled, made in a worker thread
+        (one hop for all): an allocation the caching allocator cannot serve from its cache
+        synchronizes the device (torch frees its cached blocks: it waits for their events,
+        and ``cudaFree`` synchronizes), and an arena maps its memory through the driver;
+        neither may stop the event loop. A failure drops the buffers made so far (the
+        caller's bookkeeping starts once all are made)."""
+
+        def make() -> list[torch.Tensor]:
+            out = []
+            for unit in units:
+                buf = self.device_buffer(unit)
+                self.layer.label(buf, self.name, unit.key)
+                out.append(buf)
+            return out
+
+        return await self.layer.off_loop(make) if units else []
+
     def in_arena(self, unit: Unit) -> bool:
         """Whether ``unit`` lives in the arena now."""
         return self.arena is not None and unit.where == "device" and \
@@ -462,8 +480,7 @@ class TensorStore:
         move = Move(self, "device", units)
         pairs: list[CopyPair] = []
         async with undo_on_failure(move.undo, pairs):
-            for unit in units:
-                buf = self.device_buffer(unit)
+            for unit, buf in zip(units, await self.device_buffers(units), strict=True):
                 move.buffers.append(buf)
                 self.add_pending(unit.nbytes)
                 if unit.device_buf is not None:
@@ -588,10 +605,10 @@ class TensorStore:
         move = Move(self, "device", list(units))
         pairs: list[CopyPair] = []
         async with undo_on_failure(move.undo):
-            for unit in move.units:
-                assert unit.where == "host" and unit.host is not None
-                buf = self.device_buffer(unit)
-                self.layer.label(buf, self.name, unit.key)
+            assert all(u.where == "host" and u.host is not None for u in move.units)
+            for unit, buf in zip(move.units, await self.device_buffers(move.units),
+                                 strict=True):
+                assert unit.host is not None
                 move.buffers.append(buf)
                 self.add_pending(unit.nbytes)
                 pairs.append((buf, unit.host))

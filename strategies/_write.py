@@ -259,7 +259,7 @@ class MirrorRefresh:
         """Return once no copy of this refresh is in flight (the event loop keeps serving)."""
         if not self._done.done():
             self.expedite()
-            await anyio.to_thread.run_sync(self._done.result, abandon_on_cancel=True)
+            await self.store.layer.off_loop(self._done.result, abandon_on_cancel=True)
 
     def take_error(self) -> BaseException | None:
         """The error that stopped the refresh, once (for one report)."""
@@ -535,9 +535,14 @@ async def _write_all(store: TensorStore, targets: Sequence[_Target], written: li
     """Back ``targets`` up, then write each one's source into it, appending to ``written``
     each target before its bytes are touched (for the undo of a failure)."""
     layer = store.layer
-    for t in targets:
-        if not t.mirrored and not t.slot.stale:
+    needed = [t for t in targets if not t.mirrored and not t.slot.stale]
+
+    def back_up() -> None:
+        for t in needed:
             t.backup = _backup(t, store, backup_on_device and layer.device_memory(t.live))
+
+    if needed:  # off the loop: a device allocation the cache cannot serve synchronizes
+        await layer.off_loop(back_up)
     pairs = [(t.backup, t.live) for t in targets if t.backup is not None]
     await store.copy_pairs(pairs, _tier(pairs, store))
     for chunk in chunked(targets, lambda t: t.nbytes, READ_CHUNK):

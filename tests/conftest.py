@@ -31,14 +31,13 @@ import torch
 from lifecycle.testing import (
     DEVICE_LAYER_ENV,
     LAYER_KINDS,
-    SimCuda,
     check_cuda_sim,
     check_ordering,
-    layer_seed,
     seed_layers,
 )
 from strategies import CudaDevice
-from strategies.checking import WORKSPACE_BYTES
+from strategies.checking import checking_sim
+from strategies.devices._device import Worker
 
 # seconds: each copy lands up to this late (the ordering layers' default: keeps the pass fast)
 ORDERING_MAX_DELAY = 0.002
@@ -95,8 +94,7 @@ def cuda_layer(request: pytest.FixtureRequest) -> Iterator[Callable[..., CudaDev
         if real:
             layer = CudaDevice(torch.device("cuda", torch.cuda.current_device()))
         else:
-            sim = {"workspace_bytes": WORKSPACE_BYTES, **sim}
-            layer = CudaDevice(torch.device("cpu"), SimCuda(seed=layer_seed(), **sim))
+            layer = CudaDevice(torch.device("cpu"), checking_sim(**sim))
         made.append(layer)
         return layer
 
@@ -141,6 +139,9 @@ def _ordering_checks(request: pytest.FixtureRequest) -> Iterator[None]:
     seed_layers(zlib.crc32(request.node.nodeid.encode()) ^ request.config.getoption(
         "--ordering-seed"))
     yield
+    # A controller the test left attached (a module's server) may still refresh mirrors in
+    # the background: the refresh waits for its own copies, so it finishes first.
+    Worker.drain("residency-refresh")
     found = {"ordering": check_ordering(), "cuda-sim": check_cuda_sim()}
     if any(found.values()):
         pytest.fail("\n".join(f"{layer} violations:\n- " + "\n- ".join(problems)

@@ -173,28 +173,6 @@ def new_on_the_device(t: torch.Tensor, layer: DeviceLayer, dtype: torch.dtype | 
     return out
 
 
-def to_the_device(*modules: nn.Module, layer: DeviceLayer) -> None:
-    """Move ``modules`` into ``layer``'s device memory before attach (as ``pipe.to("cuda")``
-    on a GPU, views kept: one new device storage per storage, every parameter and buffer
-    re-pointed at its place in it). On the CPU layers a copy where they were."""
-    storages: dict[int, torch.Tensor] = {}
-    with torch.no_grad():
-        for module in modules:
-            for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
-                st = t.untyped_storage()
-                if not st.nbytes():
-                    continue
-                if (buf := storages.get(st.data_ptr())) is None:
-                    buf = layer.alloc(st.nbytes(), "device")[:st.nbytes()]
-                    buf.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
-                    storages[st.data_ptr()] = buf
-                start = buf.storage_offset()
-                assert start % t.element_size() == 0, "a device buffer misaligned for its dtype"
-                t.data = torch.empty(0, dtype=t.dtype).set_(
-                    buf.untyped_storage(), start // t.element_size() + t.storage_offset(),
-                    t.size(), t.stride())
-
-
 def cast_by_hand(module: nn.Module, dtype: torch.dtype, layer: DeviceLayer) -> None:
     """``module.to(dtype)`` done by hand on the device, as it happens on a GPU: every
     floating parameter and buffer re-pointed at a new device tensor (:func:`new_on_the_device`)."""

@@ -49,7 +49,7 @@ class ScenarioError(ValueError):
 # kind -> {field: (type(s), required)}
 _NUM = (int, float)
 SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
-    "attach": {},
+    "attach": {"placed": (str, False)},
     "detach": {},
     "generate": {"steps": (int, False), "seed": (int, False), "label": (str, False)},
     "sleep": {"discard": ((bool, str, list), False)},
@@ -67,6 +67,7 @@ SCHEMA: dict[str, dict[str, tuple[type | tuple[type, ...], bool]]] = {
                "device_bytes_zero": (bool, False), "stale": (bool, False)},
 }
 _CHOICES = {"fail_next.what": ("copy", "alloc"), "update.source": ("disk", "tensors"),
+            "attach.placed": ("host", "device"),
             "expect.phase": tuple(p.value for p in Phase)}
 
 
@@ -330,6 +331,11 @@ class _Runner:
             return False, str(exc), 0
 
     async def attach(self, a: Mapping[str, Any]) -> tuple[bool, str, int]:
+        # placed = "host" (the default): the pipeline as built, in host memory; attach keeps
+        # its tensors as the mirrors, so a sleep before any update copies nothing. "device":
+        # first put in the device's memory (model.to("cuda")), so the first sleep copies all.
+        if a.get("placed") == "device" and self.ctl.phase is Phase.UNINITIALIZED:
+            self.layer.place(*self.pipe.modules.values())
         await self.transition(lambda: self.ctl.attach(self.pipe))
         return True, f"attached {len(self.ctl.components)} components", 0
 

@@ -23,7 +23,16 @@ function, when the environment names a checking layer) and :mod:`lifecycle.testi
 """
 
 from ..devices import DEVICE_LAYER_ENV, LAYER_KINDS, layer_seed, seed_layers
-from ._cudasim import WORKSPACE_BYTES, CudaSimViolation, SimCuda, SimEvent, SimStream, check_cuda_sim
+from ._cudasim import (
+    CONV_WORKSPACE_BYTES,
+    WORKSPACE_BYTES,
+    CudaSimViolation,
+    SimCuda,
+    SimEvent,
+    SimStream,
+    check_cuda_sim,
+    checking_sim,
+)
 from ._faults import (
     FaultInjection,
     FaultyCudaDevice,
@@ -37,6 +46,7 @@ from ._faults import (
 from ._ordering import POISON, OrderingDevice, OrderingViolation, Violations, check_ordering, poison
 
 __all__ = [
+    "CONV_WORKSPACE_BYTES",
     "DEVICE_LAYER_ENV",
     "LAYER_KINDS",
     "POISON",
@@ -55,6 +65,7 @@ __all__ = [
     "Violations",
     "check_cuda_sim",
     "check_ordering",
+    "checking_sim",
     "faulty_cpu_layer_class",
     "faulty_device_layer",
     "layer_seed",

@@ -35,6 +35,13 @@ CPU tensors stand for device memory; the simulator models what matters for corre
   then gives back idle segments and retries; ``empty_cache`` synchronizes the device the same
   way, under the allocator's lock; ``mem_get_info`` sees reserved memory as taken. Freed
   blocks hold poison.
+* **Memory outside the caching allocator** (:meth:`SimCuda.take_foreign`): NCCL's buffers
+  when a communicator is made, another process on the same GPU, a library's own
+  ``cudaMalloc``: ``mem_get_info`` sees it taken, the allocator's counters do not, and a
+  segment that does not fit beside it fails as out of memory. A convolution's kernel takes
+  cuDNN's workspace from the allocator on its stream for its own time
+  (``conv_workspace_bytes``): the forward's peak holds it, and its block carries the kernel
+  to the next tenant.
 * **Pinned host memory.** ``host_register`` / ``host_unregister`` of address ranges (``is_pinned``
   sees them), up to a locked-memory limit (then ``cudaErrorMemoryAllocation``); registering
   takes time (``register_rate`` bytes a second: the driver pins every page) and blocks.
@@ -71,7 +78,8 @@ CPU tensors stand for device memory; the simulator models what matters for corre
 the copies nobody ever waited for, then lands everything, so the next test starts clean.
 
 Not modelled: device memory distinct from host memory by default (see ``host_modules``;
-tensors a forward makes are host memory even then: compute runs on the CPU), kernels other
+tensors a forward makes are host memory even then: compute runs on the CPU), NCCL's
+collectives themselves (a communicator's memory only, taken by hand), kernels other
 than module forwards (functional calls on weights outside a module, an optimizer's in-place
 step), torch's pinned host allocator (``pin_memory=True`` needs an accelerator build of torch:
 a CPU build refuses it), graph capture beyond the flag :meth:`SimCuda.capture` sets, several
@@ -104,8 +112,9 @@ import torch
 from ..devices import MemoryStats
 from ._ordering import POISON, OrderingViolation, Violations, poison
 
-__all__ = ["HOST_MODULES_ENV", "POISON", "CudaSimViolation", "SimCuda", "SimEvent", "SimStream",
-           "check_cuda_sim"]
+__all__ = ["CONV_WORKSPACE_BYTES", "HOST_MODULES_ENV", "POISON", "WORKSPACE_BYTES",
+           "CudaSimViolation", "SimCuda", "SimEvent", "SimStream", "check_cuda_sim",
+           "checking_sim"]
 
 #: Environment variable: ``1`` makes every simulated GPU built without ``host_modules`` keep
 #: device memory distinct from host memory (see the module doc).
@@ -120,6 +129,10 @@ _MIN_BLOCK = 512
 #: planner's measured activation reserve leaves out bytes kept after the warm-up
 #: (lifecycle/_measure.py), and tests compare the library's bytes, or warm their threads first.
 WORKSPACE_BYTES = 1 << 20
+#: cuDNN's workspace a convolution's kernel takes for its own time on the simulated GPUs of
+#: :func:`checking_sim` (a GPU's: megabytes to hundreds of them, by algorithm; small here
+#: for the poison fill's sake). It raises a forward's peak, as activations do.
+CONV_WORKSPACE_BYTES = 1 << 20
 _SMALL_REQUEST = 1 << 20
 _SMALL_SEGMENT = 2 << 20
 _LARGE_SEGMENT = 20 << 20
@@ -494,7 +507,7 @@ class SimCuda:
                  name: str | None = None, exact_segments: bool = False,
                  stream_error: int = 0, register_error: int = 0,
                  register_rate: float = 64 * 2**30, workspace_bytes: int = 0,
-                 host_modules: bool | None = None) -> None:
+                 conv_workspace_bytes: int = 0, host_modules: bool | None = None) -> None:
         self.index = index
         # Whether device memory is only what the simulator allocated (and the layer adopted):
         # a CPU tensor a module brings is then host memory, as on a GPU.
@@ -515,6 +528,12 @@ class SimCuda:
         # on each stream takes from the allocator and never gives back.
         self.workspace_bytes = workspace_bytes
         self._workspaces: dict[tuple[int, int], torch.Tensor] = {}
+        # cuDNN's workspace: each convolution's kernel takes this many bytes from the
+        # allocator on its stream for its own time (freed once queued: stream-ordered).
+        self.conv_workspace_bytes = conv_workspace_bytes
+        # Device memory taken outside the caching allocator (take_foreign): key -> bytes.
+        self._foreign: dict[int, tuple[int, str]] = {}
+        self._foreign_keys = itertools.count(1)
         self.max_lag = max_lag
         self._random = random.Random(seed)
         self._segments: list[_Segment] = []
@@ -772,7 +791,7 @@ class SimCuda:
         seg_size = size if self.exact_segments else _SMALL_SEGMENT if small \
             else _LARGE_SEGMENT if size < _MIN_LARGE_ALLOC \
             else -(-size // _ROUND_LARGE) * _ROUND_LARGE
-        if self._reserved + seg_size > self.capacity:
+        if self._reserved + seg_size + self.foreign_bytes > self.capacity:
             # torch frees its cached blocks and retries: it first waits for the events of
             # blocks freed while recorded, and cudaFree synchronizes the device.
             if _on_event_loop():
@@ -781,11 +800,12 @@ class SimCuda:
                         f"{threading.current_thread().name!r}: the loop stops serving meanwhile")
             self._land_all()
             self._release_free()
-            if self._reserved + seg_size > self.capacity:
+            if self._reserved + seg_size + self.foreign_bytes > self.capacity:
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory (simulated): tried to allocate {size} bytes on "
                     f"{self.name}; {self.capacity} bytes total, {self._reserved} reserved, "
-                    f"{self._allocated} allocated")
+                    f"{self._allocated} allocated, {self.foreign_bytes} taken outside the "
+                    "caching allocator")
         mem = mmap.mmap(-1, seg_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         mem.write(bytes([POISON]) * seg_size) if seg_size <= _SMALL_SEGMENT else \
             torch.frombuffer(mem, dtype=torch.uint8).fill_(POISON)
@@ -915,7 +935,37 @@ class SimCuda:
 
     def mem_get_info(self) -> tuple[int, int]:
         with _S.lock:
-            return self.capacity - self._reserved, self.capacity
+            return self.capacity - self._reserved - self.foreign_bytes, self.capacity
+
+    # -- memory outside the caching allocator --------------------------------------------
+    @property
+    def foreign_bytes(self) -> int:
+        """Device bytes taken outside this process's caching allocator (:meth:`take_foreign`)."""
+        return sum(n for n, _ in self._foreign.values())
+
+    def take_foreign(self, nbytes: int, what: str) -> int:
+        """``nbytes`` of this GPU taken outside the caching allocator: NCCL's buffers when a
+        communicator is made (``NCCL_BUFFSIZE``, 4 MiB, per channel and peer: tens to
+        hundreds of MiB), the CUDA context of a process beside this one, a library's own
+        ``cudaMalloc``. ``mem_get_info`` sees them taken, the allocator's counters do not, and
+        a segment that would not fit beside them fails as out of memory (after the cached
+        blocks are given back). ``torch.OutOfMemoryError`` when they do not fit themselves
+        (the cache is not emptied for them: another process cannot). Returns the key that
+        :meth:`release_foreign` takes."""
+        with _S.lock:
+            if nbytes > self.capacity - self._reserved - self.foreign_bytes:
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory (simulated): {what} could not take {nbytes} bytes "
+                    f"on {self.name}: {self._reserved} reserved by the caching allocator, "
+                    f"{self.foreign_bytes} outside it, {self.capacity} total")
+            key = next(self._foreign_keys)
+            self._foreign[key] = (nbytes, what)
+            return key
+
+    def release_foreign(self, key: int) -> None:
+        """Give back what :meth:`take_foreign` took (a communicator destroyed)."""
+        with _S.lock:
+            del self._foreign[key]
 
     def discard(self, event: SimEvent) -> None:
         """The copies ``event`` was recorded after are not wanted (a dropped prefetch)."""
@@ -1068,18 +1118,30 @@ class SimCuda:
             self.label(workspace, f"a library workspace (thread "
                                   f"{threading.current_thread().name!r})")
             self._workspaces[key] = workspace
+        scratch = None
+        if self.conv_workspace_bytes and isinstance(module, _CONVOLUTIONS):
+            with self.use_stream(stream):  # (an out-of-memory here fails the forward)
+                scratch = self._empty(self.conv_workspace_bytes)
+            self.label(scratch, f"cuDNN's workspace of {what}")
         with _S.lock:
             _tick()
             knows = _merge(stream.knows, _S.host)
             self._order(stream, knows, tensors, what)
             item = stream._queue("kernel", what, self._random.uniform(0.0, self.max_lag))
+            if scratch is not None:
+                self._use(item, scratch, True)
             for t, write in tensors:
                 info = _S.storages[t.untyped_storage().data_ptr()]
                 base, start, end = _range(t)
                 # The last read and the last write of each stream (a later read on the same
                 # stream must not hide an earlier write from a copy that only reads).
                 info.kernels[stream.sid * 2 + write] = _Use(item, base, start, end, write, "")
+        del scratch  # freed once queued: its block is reused after the kernel, on its stream
         _raise_recorded()
+
+
+# The modules whose kernels take cuDNN's workspace (``conv_workspace_bytes``).
+_CONVOLUTIONS = (torch.nn.modules.conv._ConvNd,)
 
 
 def _host_knows(item: _Item) -> bool:
@@ -1147,6 +1209,19 @@ def _after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
                 found.setdefault(id(info.sim), (info.sim, []))[1].append((t, written))
     for sim, tensors in found.values():
         sim._kernel(module, tensors)
+
+
+def checking_sim(**sim: Any) -> SimCuda:
+    """The simulated GPU of the checking layers and the tests' fixtures: ``SimCuda(**sim)``,
+    seeded from :func:`~strategies.devices.layer_seed`, with the libraries' workspaces
+    (:data:`WORKSPACE_BYTES` a thread and stream, :data:`CONV_WORKSPACE_BYTES` a
+    convolution) unless ``sim`` names them."""
+    from ..devices import layer_seed
+
+    sim.setdefault("seed", layer_seed())
+    sim.setdefault("workspace_bytes", WORKSPACE_BYTES)
+    sim.setdefault("conv_workspace_bytes", CONV_WORKSPACE_BYTES)
+    return SimCuda(**sim)
 
 
 def check_cuda_sim() -> list[str]:

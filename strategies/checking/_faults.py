@@ -42,7 +42,7 @@ from ..devices import (
     layer_seed,
     resolve_device,
 )
-from ._cudasim import WORKSPACE_BYTES, SimCuda
+from ._cudasim import checking_sim
 from ._ordering import OrderingDevice
 
 __all__ = ["FaultInjection", "FaultyCudaDevice", "FaultyDevice", "InjectedFault",
@@ -185,8 +185,7 @@ class _SimFaultyDevice(FaultyCudaDevice):
     fault-injecting layer ``RESIDENCY_DEVICE_LAYER=cuda-sim`` selects for a CPU device."""
 
     def __init__(self, device: torch.device | None = None, **faults: Any) -> None:
-        super().__init__(device, SimCuda(seed=layer_seed(), workspace_bytes=WORKSPACE_BYTES),
-                         **faults)
+        super().__init__(device, checking_sim(), **faults)
 
 
 def faulty_cpu_layer_class() -> type[FaultInjection]:
@@ -203,11 +202,10 @@ def faulty_cpu_layer_class() -> type[FaultInjection]:
 
 def sim_cuda_layer(**sim: Any) -> CudaDevice:
     """:class:`~strategies.devices._cuda.CudaDevice` over a simulated GPU (:class:`SimCuda`, made with
-    ``sim``: ``seed``, ``max_lag``, ``capacity``, ``workspace_bytes`` (default
-    :data:`WORKSPACE_BYTES`), ...): the CUDA layer's own code on the CPU."""
-    sim.setdefault("seed", layer_seed())
-    sim.setdefault("workspace_bytes", WORKSPACE_BYTES)
-    return CudaDevice(torch.device("cpu"), SimCuda(**sim))
+    ``sim``: ``seed``, ``max_lag``, ``capacity``, ``workspace_bytes``, ... as
+    :func:`~strategies.checking._cudasim.checking_sim` makes it): the CUDA layer's own code on
+    the CPU."""
+    return CudaDevice(torch.device("cpu"), checking_sim(**sim))
 
 
 def faulty_device_layer(device: str | torch.device | None = None, **faults: Any

@@ -59,6 +59,7 @@ class _Reservation:
     buf: torch.Tensor
     handle: int | None = None  # mapped physical memory
     access: bool = False
+    device: Any = None  # the simulated GPU's record of it as device memory (on a runtime)
 
 
 @dataclass
@@ -139,19 +140,36 @@ class SimVmm:
             bisect.insort(_S.starts, va)
         self._mine.add(va)
         if self.runtime is not None:
-            self._as_device(buf)
+            _S.reservations[va].device = self._as_device(buf)
         return va
 
-    def _as_device(self, buf: torch.Tensor) -> None:
-        # The simulated GPU's device memory, outside its caching allocator (not counted).
+    def _as_device(self, buf: torch.Tensor) -> Any:
+        # The simulated GPU's device memory, outside its caching allocator (not counted),
+        # until cuMemAddressFree (see _not_device).
         from ._cudasim import _S as SIM
         from ._cudasim import _Storage
 
         storage = buf.untyped_storage()
+        info = _Storage(storage.data_ptr(), int(storage.nbytes()), "adopted", self.runtime,
+                        self.runtime.default_stream().sid, owner="a virtual-memory arena")
         with SIM.lock:
-            SIM.storages[storage.data_ptr()] = _Storage(
-                storage.data_ptr(), int(storage.nbytes()), "adopted", self.runtime,
-                self.runtime.default_stream().sid, owner="a virtual-memory arena")
+            SIM.storages[info.base] = info
+        return info
+
+    def _not_device(self, r: _Reservation) -> None:  # (r.device is set)
+        # The range freed is no longer the simulated GPU's memory: its record goes, else host
+        # memory the CPU allocator hands out at the same address later would pass for device
+        # memory with the arena's history (seen: a host copy flagged as racing a kernel long
+        # gone). Work still using it unordered is an error, as for any device buffer freed.
+        from ._cudasim import _S as SIM
+        from ._cudasim import _Storage
+
+        info: _Storage = r.device
+        r.device = None
+        with SIM.lock:
+            if SIM.storages.get(info.base) is info:
+                self.runtime._check_free(info)
+                del SIM.storages[info.base]
 
     def free(self, va: int, size: int) -> None:
         self._call("cuMemAddressFree")
@@ -159,6 +177,8 @@ class SimVmm:
         if r.handle is not None:
             raise VmmError("cuMemAddressFree", CUDA_ERROR_INVALID_VALUE,
                            _TEXT[CUDA_ERROR_INVALID_VALUE], "memory is still mapped in it")
+        if r.device is not None:
+            self._not_device(r)
         with _S.lock:
             del _S.reservations[va]
             _S.starts.remove(va)

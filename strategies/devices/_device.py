@@ -25,11 +25,12 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
 import torch
+from torch import nn
 
 from .._errors import ResidencyError
 from .._fileread import FileRegion, read_regions
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 Tier = Literal["device", "host"]
+T = TypeVar("T")
 CopyPair = tuple[torch.Tensor, torch.Tensor]  # (destination, source), both 1-D uint8
 
 
@@ -119,6 +121,19 @@ class Worker:
             self.closed = True
         if pool is not None:
             pool.shutdown(wait=True)
+
+    @classmethod
+    def drain(cls, name: str, timeout: float = 60.0) -> None:
+        """Wait until every running worker called ``name`` has done the work handed to it
+        so far (a test's end: the mirror refreshes, ``residency-refresh``, of a controller it
+        left attached wait for their own copies before the checking layers look for copies
+        nobody waited for). A worker not running is not started."""
+        for worker in list(cls._all):
+            with worker._lock:
+                pool = worker._pool if worker.name == name else None
+                done = None if pool is None else pool.submit(lambda: None)
+            if done is not None:
+                done.result(timeout)
 
     @classmethod
     def _forget_after_fork(cls) -> None:
@@ -197,6 +212,10 @@ class DeviceLayer:
         # (strategies._hostmem): a host allocation past the host budget is refused before it
         # happens, one past the pin budget is made pageable.
         self.host = HostLedger(self.pinned_footprint)
+        # Worker threads for what may block and so never runs on the event loop: device
+        # allocations, pinned registrations (off_loop). The library's own, so an application
+        # holding every token of anyio's default thread limiter does not stall it.
+        self._off_loop = anyio.CapacityLimiter(4)
 
     # -- allocation ----------------------------------------------------------------
     def alloc(self, nbytes: int, tier: Tier, *, pinned: bool | None = None) -> torch.Tensor:
@@ -218,6 +237,41 @@ class DeviceLayer:
         else:
             self.host.track(buf, pin)
         return buf
+
+    def place(self, *modules: nn.Module) -> None:
+        """Put ``modules``' parameters and buffers in this layer's device memory before
+        they are attached, as ``model.to("cuda")`` does on a GPU: one new device buffer per
+        storage (ties and views kept), every tensor re-pointed at its place in it (the same
+        ``Parameter`` objects). Attach then adopts them where they are and keeps no host
+        copy, so their first sleep copies every byte; a module attached from host memory
+        keeps its host tensors as its mirrors, and its first sleep copies nothing. On the
+        CPU layers (whose device tier is host memory) a copy where they were."""
+        storages: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for module in modules:
+                for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
+                    st = t.untyped_storage()
+                    if not st.nbytes():
+                        continue
+                    if (buf := storages.get(st.data_ptr())) is None:
+                        buf = self.alloc(st.nbytes(), "device")[:st.nbytes()]
+                        buf.copy_(torch.empty(0, dtype=torch.uint8, device=t.device).set_(st))
+                        storages[st.data_ptr()] = buf
+                    start = buf.storage_offset()
+                    assert start % t.element_size() == 0, "a device buffer misaligned"
+                    t.data = torch.empty(0, dtype=t.dtype, device=buf.device).set_(
+                        buf.untyped_storage(), start // t.element_size() + t.storage_offset(),
+                        t.size(), t.stride())
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any,
+                       abandon_on_cancel: bool = False) -> T:
+        """``fn(*args)`` in a worker thread of the layer's own (see ``__init__``): for what
+        may block the event loop, a device allocation the caching allocator cannot serve from
+        its cache (torch frees cached blocks: it waits for their events, and ``cudaFree``
+        synchronizes the device), an arena mapped through the driver, page-locking, a wait
+        for the layer's refresh thread. ``abandon_on_cancel``: as anyio's (for a wait)."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._off_loop,
+                                              abandon_on_cancel=abandon_on_cancel)
 
     # -- peak tracking ---------------------------------------------------------------
     # A tracked storage's death costs a C-level list append (its weak reference's callback),

@@ -67,8 +67,8 @@ def make_device_layer(device: str | torch.device | None) -> DeviceLayer:
 
         return OrderingDevice(dev, seed=layer_seed())
     if kind == "cuda-sim":
-        from ..checking import WORKSPACE_BYTES, SimCuda
+        from ..checking import checking_sim
         from ._cuda import CudaDevice
 
-        return CudaDevice(dev, runtime=SimCuda(seed=layer_seed(), workspace_bytes=WORKSPACE_BYTES))
+        return CudaDevice(dev, runtime=checking_sim())
     return CpuDevice(dev)

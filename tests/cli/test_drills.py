@@ -224,8 +224,8 @@ async def test_a_failing_comparison_names_the_label() -> None:
 async def test_an_unexpected_failed_step_fails_the_drill() -> None:
     """A rolled-back sleep not followed by ``expect success=false`` is a drill failure."""
     scenario = parse_scenario(_scenario(
-        {"do": "attach"}, {"do": "fail_next", "what": "copy"}, {"do": "sleep"},
-        {"do": "expect", "phase": "awake"}))
+        {"do": "attach", "placed": "device"}, {"do": "fail_next", "what": "copy"},
+        {"do": "sleep"}, {"do": "expect", "phase": "awake"}))
     report = await run_drill(scenario, size=SIZE)
     assert not report.passed
     assert len(report.failures) == 1 and report.failures[0].startswith("steps[2] sleep"), \
@@ -237,10 +237,27 @@ async def test_an_unexpected_failed_step_fails_the_drill() -> None:
 async def test_an_expected_failed_step_does_not_fail_the_drill() -> None:
     """A rolled-back sleep followed by ``expect success=false`` leaves the drill passing."""
     scenario = parse_scenario(_scenario(
-        {"do": "attach"}, {"do": "fail_next", "what": "copy"}, {"do": "sleep"},
+        {"do": "attach", "placed": "device"}, {"do": "fail_next", "what": "copy"},
+        {"do": "sleep"},
         {"do": "expect", "success": False, "phase": "awake", "message": "rolled back"}))
     report = await run_drill(scenario, size=SIZE)
     assert report.passed, report.verdict
+
+
+async def test_a_pipeline_placed_on_the_device_copies_every_byte_at_its_first_sleep() -> None:
+    """``placed = "device"`` puts the pipeline in the device's memory before attach (as
+    ``model.to("cuda")``): attach keeps no host copy, so the first sleep copies every byte and
+    the wake gives the same image; a value other than host or device is refused naming both."""
+    scenario = parse_scenario(_scenario(
+        {"do": "attach", "placed": "device"}, {"do": "generate", "label": "first"},
+        {"do": "sleep"}, {"do": "wake"}, {"do": "generate"},
+        {"do": "expect", "outputs_equal": "first"}))
+    report = await run_drill(scenario, size=SIZE)
+    assert report.passed, report.verdict
+    assert report.outcomes[2].step == "sleep"
+    assert report.outcomes[2].bytes_moved == report.pipeline_bytes
+    with pytest.raises(ScenarioError, match=r"placed.*'host', 'device'"):
+        parse_scenario(_scenario({"do": "attach", "placed": "gpu"}))
 
 
 async def test_expecting_a_failure_that_did_not_happen_fails() -> None:

@@ -43,10 +43,10 @@ import pytest
 import torch
 
 from lifecycle.demo import parse_size
-from lifecycle.testing import FaultyCudaDevice, SimCuda, layer_seed
+from lifecycle.testing import FaultyCudaDevice, SimCuda
 from scripts.gpu_run import strict_json
 from strategies import CudaDevice
-from strategies.checking import WORKSPACE_BYTES
+from strategies.checking import checking_sim
 from tests.gpu.helpers import REAL, SIMULATED, GpuRun, Recorder, Sizes
 
 HERE = Path(__file__).resolve().parent
@@ -240,8 +240,7 @@ def faulty_cuda_layer(gpu: GpuRun) -> Iterator[Callable[..., FaultyCudaDevice]]:
         if gpu.real:
             layer = FaultyCudaDevice(gpu.device, **faults)
         else:
-            sim = SimCuda(seed=layer_seed(), workspace_bytes=WORKSPACE_BYTES)
-            layer = FaultyCudaDevice(gpu.device, sim, **faults)
+            layer = FaultyCudaDevice(gpu.device, checking_sim(), **faults)
         made.append(layer)
         return layer
 

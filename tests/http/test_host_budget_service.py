@@ -26,7 +26,9 @@ def test_a_release_past_the_host_budget_is_507_and_state_and_metrics_show_the_bu
     others with 507 and the numbers, the pipeline stays awake; /state and /metrics give the
     budget, the bytes by kind and what is left."""
     pipe = DemoPipeline.build(2**20)
-    ctl = LifecycleController(device_layer=faulty_device(), residency="vae=component-offload")
+    layer = faulty_device()
+    layer.place(*pipe.modules.values())  # (from host memory, attach would keep every mirror)
+    ctl = LifecycleController(device_layer=layer, residency="vae=component-offload")
     with running_server(pipe, demo_generate(pipe), ctl) as served:
         held = ctl.report().host_held_bytes
         ctl.set_host_budget(held)

@@ -359,6 +359,7 @@ def test_a_release_that_fails_midway_is_a_500_saying_it_was_rolled_back() -> Non
 
     pipe = DemoPipeline.build(2**20)
     layer = faulty_device()
+    layer.place(*pipe.modules.values())  # (from host memory, its first release copies nothing)
     with running_server(pipe, demo_generate(pipe), LifecycleController(device_layer=layer)) as s:
         layer.arm(copy_at=1)
         r = post(s, "/release_memory_occupation")

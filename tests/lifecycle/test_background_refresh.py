@@ -119,6 +119,54 @@ async def test_update_answers_before_the_refresh_and_a_sleep_waits_for_it() -> N
         assert fingerprints(pipe) == expected_after([state])
 
 
+async def test_waiting_for_mirrors_lands_the_refresh_so_the_next_sleep_copies_nothing(
+        ) -> None:
+    """``wait_for_mirrors`` returns only once the update's held refresh has landed (every
+    mirror current, nothing pending) and reports a refresh that failed; the phase is
+    untouched; the sleep after a landed refresh copies nothing, after a failed one what it
+    left, and the woken weights are exact."""
+    layer = GatedDevice()
+    ctl, pipe = await attached(layer)
+    async with ctl:
+        first, second = shifted(pipe["transformer"], 1.0), shifted(pipe["transformer"], 2.0)
+        before = layer.copies
+        layer.gate.clear()
+        assert (await ctl.update_weights_from_tensors(first)).success
+        await wait_for(layer.waiting)
+        writes = layer.copies - before  # the update's own copies (the refresh is held)
+        done: list[bool] = []
+
+        async def settle() -> None:
+            await ctl.wait_for_mirrors()
+            done.append(True)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(settle)
+                await anyio.sleep(0.05)
+                assert not done  # held at the gate
+                layer.gate.set()
+        finally:
+            layer.gate.set()  # (a failure above must not leave the refresh held for detach)
+        assert write.refresh_pending(store_of(ctl)) is None and ctl.phase is Phase.AWAKE
+        assert not any(u.dirty() for u in store_of(ctl).units)
+        assert (await ctl.sleep()).bytes_moved == 0
+        await ctl.wake()
+
+        with capture_events() as events:
+            layer.arm(copy_at=writes + 1)  # the first copy of the second refresh
+            assert (await ctl.update_weights_from_tensors(second)).success
+            await ctl.wait_for_mirrors()
+        assert layer.faults == 1
+        assert [e["component"] for e in events if e["event"] == UPDATE_MIRROR_STALE] == \
+            ["transformer"]
+        assert write.refresh_pending(store_of(ctl)) is None
+        slept = await ctl.sleep()
+        assert slept.success and slept.bytes_moved > 0  # what the failed refresh left
+        await ctl.wake()
+        assert fingerprints(pipe) == expected_after([first, second])
+
+
 async def test_a_sleep_right_after_an_update_gives_the_exact_weights() -> None:
     """Back-to-back updates and sleeps, with no wait in between: every wake gives exactly
     the last update's weights, and every mirror the sleep kept is current."""

@@ -12,7 +12,7 @@ import torch
 from lifecycle import HostBudgetExceeded, LifecycleController, Phase, TransitionFailed
 from lifecycle.demo import DemoPipeline
 from strategies import DeviceLayer
-from tests.helpers import attach_allocates, faulty_device, to_the_device
+from tests.helpers import attach_allocates, faulty_device
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -44,7 +44,7 @@ async def make() -> AsyncIterator[Make]:
             expected = pipe.forward_sync(steps=2)
             layer = layer or faulty_device()
             if on_device:
-                to_the_device(*pipe.modules.values(), layer=layer)
+                layer.place(*pipe.modules.values())
             ctl = LifecycleController(device_layer=layer, residency=residency,
                                       **kwargs)  # type: ignore[arg-type]
             stack.push_async_callback(ctl.aclose)

@@ -24,7 +24,7 @@ from lifecycle import (
     UpdateResult,
 )
 from lifecycle.metrics import ControllerMetrics
-from tests.helpers import faulty_device, small_pipeline, to_the_device
+from tests.helpers import faulty_device, small_pipeline
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -109,7 +109,7 @@ async def test_transitions_are_counted_by_trigger_and_outcome(make: Make) -> Non
     the device at attach: its sleep copies)."""
     ctl = make("cpu")
     pipe = small_pipeline()
-    to_the_device(*pipe.values(), layer=ctl.device_layer)
+    ctl.device_layer.place(*pipe.values())
     with ControllerMetrics(ctl) as metrics:
         assert counted(metrics) == {} and timed(metrics) == {}
         await ctl.attach(pipe)
@@ -239,7 +239,7 @@ async def test_cancelled_sleep_counts_as_cancelled(make: Make) -> None:
     layer = faulty_device()
     ctl = make(device_layer=layer)
     pipe = small_pipeline()
-    to_the_device(*pipe.values(), layer=layer)
+    layer.place(*pipe.values())
     with ControllerMetrics(ctl) as metrics:
         await ctl.attach(pipe)
         layer.copy_delay = 0.005

@@ -15,7 +15,7 @@ from lifecycle import (
     TransitionFailed,
     TransitionRejected,
 )
-from tests.helpers import faulty_device, fingerprints, small_pipeline, to_the_device
+from tests.helpers import faulty_device, fingerprints, small_pipeline
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -132,7 +132,7 @@ async def test_a_fault_in_a_partial_sleep_rolls_it_back() -> None:
     same sleep then succeeds."""
     layer = faulty_device()
     pipe = small_pipeline()
-    to_the_device(*pipe.values(), layer=layer)
+    layer.place(*pipe.values())
     async with LifecycleController(device_layer=layer) as ctl:
         await ctl.attach(pipe)
         before, sums = device_bytes(ctl), fingerprints(pipe)

@@ -24,7 +24,7 @@ from strategies import ComponentResidencyError
 from strategies.checking._libcudasim import simulated_cuda_vmm
 from strategies.checking._vmmsim import GraphReplayFault, SimGraph, SimVmm
 from strategies.devices._vmm import CudaVmm, VmmDriver, VmmError
-from tests.helpers import faulty_device, to_the_device
+from tests.helpers import faulty_device
 
 pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
@@ -190,7 +190,7 @@ async def _started(target: str, layer: Any, fail_at: int | None
     if target == "sleep":
         # A model built on the host gets its mirrors at attach (its first sleep then copies
         # nothing); one already on the device gets them at its first sleep, the moves faulted.
-        to_the_device(*pipe.modules.values(), layer=layer)
+        layer.place(*pipe.modules.values())
     ctl = LifecycleController(residency=STABLE, device_layer=layer)
     sim = driver(layer)
     if target != "attach":

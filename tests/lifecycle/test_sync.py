@@ -18,7 +18,7 @@ from lifecycle._blocking import SyncLifecycleController
 from lifecycle._checksum import tensor_sha256
 from lifecycle._planner import ResidencyPlan
 from lifecycle._results import Computed
-from tests.helpers import faulty_device, fingerprints, run_pipeline, small_pipeline, to_the_device
+from tests.helpers import faulty_device, fingerprints, run_pipeline, small_pipeline
 
 pytestmark = pytest.mark.moves
 
@@ -164,7 +164,7 @@ def test_failed_sleep_raises_transition_failed_in_the_calling_thread_and_retry_w
     pipe = small_pipeline()
     sums, outputs = fingerprints(pipe), run_pipeline(pipe)
     layer = faulty_device()
-    to_the_device(*pipe.values(), layer=layer)
+    layer.place(*pipe.values())
     with SyncLifecycleController(device_layer=layer, backend=backend) as sctl:
         sctl.attach(pipe)
         assert sctl.device_layer is layer

@@ -3,8 +3,8 @@ has on a GPU once it placed a CPU-built model (``model.to("cuda")``) before it h
 the library, or once its compute made a tensor. The tests that drive a store without a
 controller start there; the attach of a model still in host memory (adopted into mirrors,
 copied host -> device) is the controller's, tested with it. (A new copy allocated by the
-layer, and whole pipelines re-pointed at new device storages: ``tests/helpers.py``
-``new_on_the_device``, ``to_the_device``.)"""
+layer: ``tests/helpers.py`` ``new_on_the_device``; whole pipelines re-pointed at new device
+storages: ``DeviceLayer.place``.)"""
 
 from __future__ import annotations
 

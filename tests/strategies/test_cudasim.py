@@ -436,6 +436,54 @@ def test_a_threads_first_kernel_takes_a_workspace_that_is_never_freed() -> None:
     check_cuda_sim()
 
 
+def test_memory_taken_outside_the_allocator_is_not_free_and_leaves_it_less_room() -> None:
+    """NCCL's buffers (or another process's memory) are taken outside the caching allocator:
+    mem_get_info sees them, the allocator's counters do not; a segment that does not fit
+    beside them fails as out of memory naming them, after the cache is given back; what does
+    not fit itself is refused; released, the room is back."""
+    gpu = SimCuda(capacity=64 * MiB)
+    cached = gpu.empty(30 * MiB)
+    del cached  # a cached segment of 30 MiB: reserved, not allocated
+    key = gpu.take_foreign(24 * MiB, "NCCL's buffers")
+    assert gpu.mem_get_info() == (64 * MiB - 30 * MiB - 24 * MiB, 64 * MiB)
+    assert (gpu.memory().allocated, gpu.memory().reserved) == (0, 30 * MiB)
+    assert gpu.foreign_bytes == 24 * MiB
+    with pytest.raises(torch.OutOfMemoryError, match="could not take"):
+        gpu.take_foreign(11 * MiB, "a second communicator")  # the cache stays
+    big = gpu.empty(40 * MiB)  # fits once the cached 30 MiB go back
+    assert gpu.memory().reserved == 40 * MiB
+    with pytest.raises(torch.OutOfMemoryError, match=r"25165824 taken outside the caching"):
+        gpu.empty(2 * MiB)
+    gpu.release_foreign(key)
+    small = gpu.empty(2 * MiB)
+    assert gpu.mem_get_info()[0] == 64 * MiB - gpu.memory().reserved
+    del big, small
+
+
+def test_a_convolutions_kernel_takes_cudnns_workspace_for_its_own_time() -> None:
+    """A convolution's forward on device weights takes cuDNN's workspace from the allocator
+    on its stream: the allocator's peak holds it, nothing stays allocated after, and the
+    block it used carries the kernel to its next tenant (a copy on another stream into it must
+    wait for compute). A linear layer takes none."""
+    gpu = SimCuda(conv_workspace_bytes=MiB, max_lag=10.0)
+    conv, lin = nn.Conv2d(2, 2, 3), nn.Linear(4, 4)
+    for p in [*conv.parameters(), *lin.parameters()]:
+        gpu.adopt(p)
+    gpu.reset_peak()
+    base = gpu.memory().allocated
+    with torch.no_grad():
+        lin(torch.ones(1, 4))
+    assert gpu.memory().peak_allocated == base
+    with torch.no_grad():
+        conv(torch.ones(1, 2, 5, 5))
+    assert gpu.memory().peak_allocated == base + MiB
+    assert gpu.memory().allocated == base
+    reused = gpu.empty(MiB)  # the workspace's block, its kernel still queued
+    with gpu.use_stream(gpu.new_stream()), pytest.raises(CudaSimViolation, match="Conv2d"):
+        gpu.copy(reused, host(MiB))
+    check_cuda_sim()
+
+
 def test_a_forward_writing_its_buffers_in_place_is_a_kernel_write() -> None:
     """A forward that updates a buffer in place (batch-norm running statistics in training)
     queues a kernel that writes it: a copy out of that buffer on another stream, not ordered

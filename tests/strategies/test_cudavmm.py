@@ -359,3 +359,19 @@ def test_the_simulated_gpu_gets_the_cuda_driver_over_a_simulated_libcuda() -> No
     a.close()
     assert vmm._lib.vmm.physical_bytes == 0
     layer.close()
+
+
+def test_a_freed_arena_range_is_no_longer_the_simulated_gpus_memory() -> None:
+    # The CPU allocator may hand the freed range's bytes to a host tensor later: it must not
+    # pass for device memory carrying the arena's history (a stale record once flagged a
+    # host copy as racing a kernel long gone).
+    runtime = SimCuda(host_modules=True)
+    layer = CudaDevice(torch.device("cpu"), runtime=runtime)
+    a = Arena(vmm_for(layer), [("w", 1000)], "test")
+    view = a.view("w")  # (its bytes are freed with the range: only its address is used below)
+    assert runtime.on_device(view)
+    a.close()
+    device_after = [runtime.on_device(view), runtime.is_device(view)]
+    del view
+    assert device_after == [False, False]
+    layer.close()
