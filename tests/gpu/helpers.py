@@ -49,7 +49,7 @@ class Sizes:
 REAL = Sizes(bandwidth=8 * GiB, memory=2 * GiB, layerwise=2 * GiB, updates=GiB, planner=GiB,
              ordering=GiB, concurrency=256 * MiB, link=GiB, repeats=5)
 SIMULATED = Sizes(bandwidth=4 * MiB, memory=4 * MiB, layerwise=4 * MiB, updates=2 * MiB,
-                  planner=2 * MiB, ordering=2 * MiB, concurrency=MiB, link=4 * MiB, repeats=2)
+                  planner=8 * MiB, ordering=2 * MiB, concurrency=MiB, link=4 * MiB, repeats=2)
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,12 @@ async def timed(layer: CudaDevice, op: Callable[[], Awaitable[T]]) -> tuple[T, f
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def sim_conv_workspace(layer: CudaDevice) -> int:
+    """The bytes of cuDNN's workspace a convolution's kernel takes on ``layer``'s simulated
+    GPU (``SimCuda.conv_workspace_bytes``; 0 on anything else)."""
+    return int(getattr(layer.runtime, "conv_workspace_bytes", 0))
 
 
 def memory(layer: CudaDevice) -> dict[str, int]:
