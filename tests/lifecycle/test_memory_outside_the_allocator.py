@@ -103,3 +103,26 @@ async def test_a_share_of_the_device_as_a_budget_is_a_share_of_what_is_free() ->
             plan = await ctl.plan("50%")
             budgets.append(plan.budget_bytes)
     assert budgets[0] - budgets[1] == 50 * MiB
+
+
+async def test_a_residency_change_that_no_longer_fits_beside_nccls_buffers_is_undone() -> None:
+    """The transformer offloaded; a communicator takes all but 1 MiB outside the allocator:
+    making it resident again (4 MiB onto the device) fails and leaves the old layout and
+    weights; without the communicator the same change succeeds."""
+    layer = sim_cuda_layer(capacity=64 * MiB, host_modules=True, exact_segments=True)
+    gpu = gpu_of(layer)
+    pipe = pipeline()
+    before = fingerprints(pipe)
+    async with LifecycleController(device_layer=layer,
+                                   residency="transformer=component-offload") as ctl:
+        await ctl.attach(pipe)
+        await anyio.to_thread.run_sync(layer.empty_cache)
+        key = gpu.take_foreign(gpu.mem_get_info()[0] - MiB, "NCCL's buffers")
+        with pytest.raises(TransitionFailed, match="out of memory"):
+            await ctl.set_residency("transformer=resident")
+        assert ctl.report().components["transformer"].mode == "component-offload"
+        assert fingerprints(pipe) == before
+        gpu.release_foreign(key)
+        assert (await ctl.set_residency("transformer=resident")).success
+        assert ctl.report().components["transformer"].mode == "resident"
+        assert fingerprints(pipe) == before
