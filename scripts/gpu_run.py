@@ -293,6 +293,8 @@ def run_tests(run: Run, tmp: Path, tests_json: Path) -> None:
     env = child_env(tmp)
     if args.max_size:
         env["RESIDENCY_GPU_MAX_SIZE"] = args.max_size  # read by tests/gpu/conftest.py
+    if args.dry_run:  # the simulated GPU's device memory its own, as in the cuda-sim pass
+        env["RESIDENCY_SIM_HOST_MODULES"] = "1"  # (strategies.checking._cudasim)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
     run.child = proc
     killed = False
