@@ -452,10 +452,17 @@ class _Block:
         start = self.segment.addr + self.offset
         end = start + self.size
         seen: set[int] = set()
-        kept = []
+        live = []
         for u in uses:
             if id(u) not in seen and u.overlaps(start, end) and not _host_knows(u.item):
                 seen.add(id(u))
+                live.append(u)
+        # They are all work of the block's own stream: a copy ordered after a later use is
+        # ordered after every earlier one it covers, so those are dropped (else a block
+        # reused again and again, a convolution's workspace, keeps every tenant's use).
+        kept: list[_Use] = []
+        for u in sorted(live, key=lambda u: u.item.pos, reverse=True):
+            if not any(v.start <= u.start and u.end <= v.end for v in kept):
                 kept.append(u)
         self.history = kept
 

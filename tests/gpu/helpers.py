@@ -129,6 +129,12 @@ def sim_conv_workspace(layer: CudaDevice) -> int:
     return int(getattr(layer.runtime, "conv_workspace_bytes", 0))
 
 
+def sim_workspaces(layer: CudaDevice) -> int:
+    """The bytes the per-thread library workspaces hold on ``layer``'s simulated GPU
+    (``SimCuda.workspace_total``; 0 on a GPU, where cuBLAS's are not counted apart)."""
+    return int(getattr(layer.runtime, "workspace_total", 0))
+
+
 def memory(layer: CudaDevice) -> dict[str, int]:
     """The caching allocator's and the driver's view of the layer's device, once its queued
     work is done: ``allocated``, ``reserved``, ``driver_free``."""
