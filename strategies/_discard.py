@@ -230,9 +230,11 @@ async def prepare_undiscard(store: TensorStore, awake: list[Unit],
             [u for u in d.units if id(u) in on_device]))
         for unit in d.units:
             tier: Tier = "device" if id(unit) in on_device else "host"
-            buf = next(device_bufs) if tier == "device" else \
-                await _alloc(store, unit.nbytes, tier)
-            store.layer.label(buf, store.name, unit.key)
+            if tier == "device":
+                buf = next(device_bufs)  # (labelled as it was made)
+            else:
+                buf = await _alloc(store, unit.nbytes, tier)
+                store.layer.label(buf, store.name, unit.key)
             move.placements.append((unit, tier, buf))
             if tier == "device":
                 move._pending += unit.nbytes

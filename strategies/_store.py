@@ -605,10 +605,9 @@ class TensorStore:
         move = Move(self, "device", list(units))
         pairs: list[CopyPair] = []
         async with undo_on_failure(move.undo):
-            assert all(u.where == "host" and u.host is not None for u in move.units)
             for unit, buf in zip(move.units, await self.device_buffers(move.units),
                                  strict=True):
-                assert unit.host is not None
+                assert unit.where == "host" and unit.host is not None
                 move.buffers.append(buf)
                 self.add_pending(unit.nbytes)
                 pairs.append((buf, unit.host))

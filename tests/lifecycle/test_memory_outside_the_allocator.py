@@ -22,10 +22,13 @@ pytestmark = pytest.mark.anyio
 MiB = 2**20
 
 
-def gpu_of(layer: CudaDevice) -> SimCuda:
+def simulated(capacity: int) -> tuple[CudaDevice, SimCuda]:
+    """The CUDA layer over a simulated GPU of ``capacity`` bytes, its device memory its own,
+    every block a segment of its own (reserved bytes are the blocks')."""
+    layer = sim_cuda_layer(capacity=capacity, host_modules=True, exact_segments=True)
     gpu = layer.runtime
     assert isinstance(gpu, SimCuda)
-    return gpu
+    return layer, gpu
 
 
 def pipeline() -> dict[str, nn.Module]:
@@ -38,8 +41,7 @@ async def test_a_wake_that_no_longer_fits_beside_nccls_buffers_rolls_back_then_s
     """Asleep, a communicator takes all but 1 MiB of the GPU outside the allocator: the wake
     fails on its first allocation and rolls back (asleep, no device byte held, the host
     copies intact); once the communicator is gone the wake gives the exact weights."""
-    layer = sim_cuda_layer(capacity=64 * MiB, host_modules=True, exact_segments=True)
-    gpu = gpu_of(layer)
+    layer, gpu = simulated(64 * MiB)
     pipe = pipeline()
     before = fingerprints(pipe)
     async with LifecycleController(device_layer=layer) as ctl:
@@ -63,8 +65,7 @@ async def test_an_update_backs_up_on_the_host_when_memory_outside_the_allocator_
     overwrites: on the device when there is room for twice it, else on the host. With NCCL's
     buffers leaving 6 MiB beside the 4 MiB weights' own, the backups go to the host and the
     update succeeds within the GPU (on the device they would not fit: out of memory)."""
-    layer = sim_cuda_layer(capacity=256 * MiB, host_modules=True, exact_segments=True)
-    gpu = gpu_of(layer)
+    layer, gpu = simulated(256 * MiB)
     pipe = pipeline()
     layer.place(*pipe.values())
     async with LifecycleController(device_layer=layer) as ctl:
@@ -93,8 +94,7 @@ async def test_a_share_of_the_device_as_a_budget_is_a_share_of_what_is_free() ->
     plus the driver's free memory): memory NCCL holds outside the allocator is not free."""
     budgets = []
     for foreign in (0, 100 * MiB):
-        layer = sim_cuda_layer(capacity=256 * MiB, host_modules=True, exact_segments=True)
-        gpu = gpu_of(layer)
+        layer, gpu = simulated(256 * MiB)
         async with LifecycleController(device_layer=layer) as ctl:
             await ctl.attach(pipeline())
             await anyio.to_thread.run_sync(layer.empty_cache)
@@ -109,8 +109,7 @@ async def test_a_residency_change_that_no_longer_fits_beside_nccls_buffers_is_un
     """The transformer offloaded; a communicator takes all but 1 MiB outside the allocator:
     making it resident again (4 MiB onto the device) fails and leaves the old layout and
     weights; without the communicator the same change succeeds."""
-    layer = sim_cuda_layer(capacity=64 * MiB, host_modules=True, exact_segments=True)
-    gpu = gpu_of(layer)
+    layer, gpu = simulated(64 * MiB)
     pipe = pipeline()
     before = fingerprints(pipe)
     async with LifecycleController(device_layer=layer,
