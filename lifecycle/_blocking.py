@@ -39,11 +39,11 @@ from contextlib import (
 )
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, cast, overload
 
-import anyio.to_thread
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from torch import nn
 
 from strategies import ResidencyConfig
+from strategies.protocol import to_thread
 
 from ._controller import LifecycleController
 from ._planner import ResidencyPlan
@@ -136,7 +136,7 @@ def _in_thread(request: Callable[[], object]) -> Callable[[], Awaitable[object]]
     """A blocking ``request`` as the async callable the controller awaits: run in a worker
     thread, its calls into the facade go through the portal to the loop (free meanwhile)."""
     async def run() -> object:
-        return await anyio.to_thread.run_sync(request)
+        return await to_thread(request)
 
     return run
 

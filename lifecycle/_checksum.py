@@ -28,11 +28,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, get_args
 
 import anyio
-import anyio.to_thread
 import torch
 from torch import nn
 
-from strategies.protocol import TensorStore
+from strategies.protocol import TensorStore, to_thread
 
 from ._discard import refuse_stale
 from ._errors import InvalidRequest, UnknownComponent
@@ -162,7 +161,7 @@ class Checksums:
                      ) -> dict[str, str]:
         """:meth:`now` in a worker thread, under the lock."""
         async with self._lock:
-            return await anyio.to_thread.run_sync(
+            return await to_thread(
                 functools.partial(self.now, names, algorithm), limiter=self._threads)
 
     async def across_ranks(self, names: Sequence[str] | None, algorithm: ChecksumAlgorithm
@@ -188,7 +187,7 @@ class Checksums:
             return out
 
         async with self._lock:
-            return await anyio.to_thread.run_sync(hashes, limiter=self._threads)
+            return await to_thread(hashes, limiter=self._threads)
 
     async def copies(self, target: str, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
         """Host copies of ``target``'s tensors ``names`` (read from wherever they are), in a
@@ -205,7 +204,7 @@ class Checksums:
             return out
 
         async with self._lock:
-            return await anyio.to_thread.run_sync(read, limiter=self._threads)
+            return await to_thread(read, limiter=self._threads)
 
     async def tensors(self, target: str, expected: Mapping[str, str]) -> TensorHashCheck:
         """:func:`check_hashes` of ``target``'s store (checked first: ``expected``, then that
@@ -216,6 +215,6 @@ class Checksums:
         async with self._lock:
             component = self._components.component(target)
             refuse_stale([component])  # its stale tensors hold undefined values
-            return await anyio.to_thread.run_sync(check_hashes, component.strategy.store,
+            return await to_thread(check_hashes, component.strategy.store,
                                                   target, wanted,
                                                   limiter=self._threads)

@@ -30,9 +30,10 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import anyio
-import anyio.to_thread
 import torch
 import torch.distributed as dist
+
+from strategies.protocol import to_thread
 
 from ._errors import DrainTimeout, GroupBroken, RankFailure, RanksDisagree, TransitionFailed
 from ._owner import Owner
@@ -77,7 +78,7 @@ class RankGroup:
             raise GroupFailure(self.broken)
         try:
             with anyio.CancelScope(shield=True):  # a collective is never abandoned midway
-                result = await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+                result = await to_thread(fn, limiter=self._limiter)
         except (RuntimeError, ValueError) as exc:  # gloo: peer closed, timed out
             self.broken = f"{type(exc).__name__}: {exc}"
             raise GroupFailure(self.broken) from exc

@@ -20,7 +20,6 @@ from types import MappingProxyType
 from typing import Any, Self, TypeVar
 
 import anyio
-import anyio.to_thread
 import torch
 from torch import nn
 
@@ -39,6 +38,7 @@ from strategies.protocol import (
     host_backup_bytes,
     record_files,
     regroup_device_bytes,
+    to_thread,
 )
 
 from . import _events as events
@@ -212,7 +212,7 @@ class LifecycleController:
             if self.phase is not Phase.UNINITIALIZED:
                 await self.detach()
             await self._weight_sync.aclose()
-            await anyio.to_thread.run_sync(self._layer.close, limiter=self._threads)
+            await to_thread(self._layer.close, limiter=self._threads)
 
     # -- introspection -----------------------------------------------------------------
     @property
@@ -391,7 +391,7 @@ class LifecycleController:
             with events.bound(transition="attach", transition_id=next(_ids)):
                 t0 = time.perf_counter()
                 try:
-                    files = {} if checkpoint is None else await anyio.to_thread.run_sync(
+                    files = {} if checkpoint is None else await to_thread(
                         verify_checkpoint, {n: c.strategy.store for n, c in components.items()},
                         checkpoint, limiter=self._threads)
                     plan_mirrors(self._layer, attach_mirrors(components.values()), "attach")
@@ -1053,7 +1053,7 @@ class LifecycleController:
                 refused: UpdateRefused | TransitionRejected | None = None
                 try:
                     self._components.rescan(kind)
-                    plan = await anyio.to_thread.run_sync(make_plan, limiter=self._threads)
+                    plan = await to_thread(make_plan, limiter=self._threads)
                     asleep = sorted(set(plan.components) & self._components.asleep)
                     if asleep:  # a partial sleep: the reference's refusal, word for word
                         self._owner.log.info(events.TRANSITION_REJECTED, trigger=kind,

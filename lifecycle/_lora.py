@@ -36,10 +36,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
-import anyio.to_thread
 import torch
 
-from strategies.protocol import PreparedMove, TensorStore
+from strategies.protocol import PreparedMove, TensorStore, to_thread
 
 from ._errors import InvalidRequest
 from ._updates import PlannedWrite, UpdatePlan, UpdateRefused, plan_from_tensors
@@ -380,7 +379,7 @@ class LoraBases:
                     out[(component, weight)] = _host_copy(live)
                 return out
 
-            new.update(await anyio.to_thread.run_sync(copies, limiter=limiter))
+            new.update(await to_thread(copies, limiter=limiter))
         if not new:
             return None
         component = next(iter(new))[0]

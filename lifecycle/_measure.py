@@ -18,11 +18,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
-import anyio.to_thread
 from torch import nn
 
 from strategies import ResidencyConfig, ResidencyMode, is_fsdp_managed
-from strategies.protocol import TensorStore
+from strategies.protocol import TensorStore, to_thread
 
 from . import _events as events
 from ._errors import forget_locals
@@ -134,7 +133,7 @@ class Measurer:
         budget = parse_budget(device_budget, free_bytes=self._free_bytes(),
                               pipeline_bytes=m.pipeline_bytes)
         # The search is pure Python (milliseconds to a fraction of a second): off the loop.
-        plan = await anyio.to_thread.run_sync(
+        plan = await to_thread(
             functools.partial(make_plan, m, budget, planner_started=started, fixed=fixed,
                               host_budget=host_budget),
             limiter=self._threads)
@@ -154,7 +153,7 @@ class Measurer:
             return cached
         components = list(self._components.items())
         async with self._lock:  # no move while the inventories are taken (in a worker thread)
-            sizes = await anyio.to_thread.run_sync(lambda: tuple(
+            sizes = await to_thread(lambda: tuple(
                 ComponentSizes.of(n, c.module, c.strategy.store, c.fsdp) for n, c in components),
                 limiter=self._threads)
         bandwidth, latency = await self._measure_link(sizes)
@@ -177,7 +176,7 @@ class Measurer:
         256 MiB): allocators behave differently at different sizes."""
         typical = max((max(s.layers) if s.layers else s.whole for s in sizes), default=2**20)
         nbytes = min(max(typical, 2**20), 256 * 2**20)
-        return await anyio.to_thread.run_sync(self._layer.measure_link, nbytes,
+        return await to_thread(self._layer.measure_link, nbytes,
                                               limiter=self._threads)
 
     async def _record(self, warmup: Request) -> tuple[tuple[Use, ...], float, int]:

@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
-import anyio.to_thread
 from torch import nn
 
 from strategies import DeviceLayer, ResidencyStrategy
-from strategies.protocol import ComputeGuard, Move
+from strategies.protocol import ComputeGuard, Move, to_thread
 
 from . import _events as events
 from ._admission import Admission
@@ -303,7 +302,7 @@ class Uses:
             if self.layer.needs_sync:
                 # Uses drained, but their kernels and copies may still run behind the host
                 # (CUDA): no move may free, and no host write may touch, a buffer they read.
-                await anyio.to_thread.run_sync(self.layer.synchronize, limiter=self.threads)
+                await to_thread(self.layer.synchronize, limiter=self.threads)
             yield
 
     def own_leases(self) -> frozenset[int]:

@@ -115,10 +115,9 @@ from multiprocessing import reduction
 from typing import Any
 
 import anyio
-import anyio.to_thread
 import torch
 
-from strategies.protocol import PreparedMove, TensorStore, WriteSource
+from strategies.protocol import PreparedMove, TensorStore, WriteSource, to_thread
 
 from . import _events as events
 from . import _weight_sync_child as _child
@@ -537,7 +536,7 @@ class _Receiver:
         except (EOFError, OSError):
             self.kill()
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.process.join, _CLOSE_S)
+                await to_thread(self.process.join, _CLOSE_S)
             raise _Gone(self.ended()) from None
         except BaseException:  # cancelled: it may be writing into our buffer
             self.kill()
@@ -1013,7 +1012,7 @@ class WeightSync:
                 if self._groups.get(group_name) is group:
                     del self._groups[group_name]
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(group.close)
+                await to_thread(group.close)
             _log.warning(events.WEIGHT_SYNC_BROKEN, group=group_name, reason=failure,
                          group_rank=member)
             return WeightUpdateGroupResult(
@@ -1039,7 +1038,7 @@ class WeightSync:
             return group.gone or self._joining_stops()
 
         try:
-            group.receiver = await anyio.to_thread.run_sync(_Receiver)
+            group.receiver = await to_thread(_Receiver)
         except (OSError, RuntimeError, ValueError) as exc:
             return f"the receiving process could not start ({type(exc).__name__})"
         failure: str | None = None
@@ -1088,7 +1087,7 @@ class WeightSync:
             if not group.joining:
                 async with group.lock:  # an update in progress ends first (at once: killed)
                     pass
-            await anyio.to_thread.run_sync(group.close)
+            await to_thread(group.close)
 
     async def aclose(self) -> None:
         """Leave every group (the controller is closing)."""
@@ -1155,7 +1154,7 @@ class WeightSync:
                     views = await group.receive([specs[i] for i in bucket], buffer,
                                                 request.deadline, request.progress)
                     # copies: the next bucket reuses the buffer (blocking: in a thread)
-                    out += await anyio.to_thread.run_sync(functools.partial(
+                    out += await to_thread(functools.partial(
                         _host_copies, views))
             finally:
                 del buffer

@@ -31,7 +31,9 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import anyio.to_thread
+import anyio
+
+from strategies.protocol import to_thread
 
 from ._controller import LifecycleController
 from ._errors import UnknownComponent
@@ -100,5 +102,5 @@ class PipelineRunner:
         async with self.ctl.request(order), contextlib.AsyncExitStack() as uses:
             for name in order:
                 await uses.enter_async_context(self.ctl.use(name))
-            return await anyio.to_thread.run_sync(call, limiter=self._threads)
+            return await to_thread(call, limiter=self._threads)
 

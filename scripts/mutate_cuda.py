@@ -80,7 +80,7 @@ MUTANTS = (
            "        if error is not None:\n            self._host_wait(event)\n            raise error",
            "        if error is not None:\n            raise error"),
     Mutant("copy-host-wait", "copy() returns before its copies landed",
-           "            await anyio.to_thread.run_sync(self._host_wait, event, limiter=self._limiter)",
+           "            await to_thread(self._host_wait, event, limiter=self._limiter)",
            "            await anyio.lowlevel.checkpoint()"),
     Mutant("host-wait-sync", "a host wait does not synchronize on the event",
            "        with self._rt.use_device():\n            event.synchronize()",
@@ -161,8 +161,7 @@ PROTOCOL = (
            "        if fetch is not None:\n            fetch.drop()\n            return",
            "        if fetch is not None:\n            return", "strategies/_layerwise.py"),
     Mutant("gate-synchronize", "a transition's gate does not synchronize the device",
-           "                await anyio.to_thread.run_sync(self.layer.synchronize, "
-           "limiter=self.threads)",
+           "                await to_thread(self.layer.synchronize, limiter=self.threads)",
            "                await anyio.lowlevel.checkpoint()", "lifecycle/_uses.py"),
 )
 #: The suites ``--compare`` runs (the ordering pass's kind: the store's and the controller's).

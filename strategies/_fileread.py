@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
-import anyio.to_thread
 import torch
+
+from ._threads import to_thread
 
 __all__ = ["FileRegion", "read_regions", "safetensors_regions"]
 
@@ -124,7 +125,7 @@ async def read_regions(reads: Sequence[tuple[torch.Tensor, FileRegion]],
 
     async def run(lane: list[_Piece]) -> None:
         try:
-            await anyio.to_thread.run_sync(_read_lane, lane, limiter=limiter)
+            await to_thread(_read_lane, lane, limiter=limiter)
         except Exception as exc:  # reported as itself below, not as an exception group
             errors.append(exc)
 

@@ -50,13 +50,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
-import anyio.to_thread
 import torch
 
 from ._chunks import chunked
 from ._errors import forget_locals, undo_on_failure
 from ._fileread import FileRegion
 from ._inventory import Slot, Unit
+from ._threads import to_thread
 from .devices import CopyPair, DeviceLayer, Tier
 
 if TYPE_CHECKING:
@@ -563,7 +563,7 @@ async def _write_all(store: TensorStore, targets: Sequence[_Target], written: li
             await layer.read_file([(t.live, region) for t, region in direct], limiter)
         if not rest:
             continue
-        values = await anyio.to_thread.run_sync(
+        values = await to_thread(
             load_chunk, [t.source for t in rest], [t.slot.tensor.dtype for t in rest],
             limiter=limiter)
         written.extend(rest)

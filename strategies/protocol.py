@@ -1,7 +1,9 @@
 """The plumbing the lifecycle drives: one component's tensors (:class:`TensorStore`, its
 units), the moves that place them (prepared, then committed or undone: placement, writes,
 regrouping, restoring, discarding), the strategy factory, the forward guard, and
-:func:`forget_locals` (what a failed move's traceback must not keep alive).
+:func:`forget_locals` (what a failed move's traceback must not keep alive), and
+:func:`to_thread` (work in a worker thread that lets go of its tensors before the caller
+goes on).
 
 ``lifecycle`` imports only :mod:`strategies` and this module. Someone writing a strategy
 of their own needs these types too; a user placing a pipeline does not (see
@@ -37,6 +39,7 @@ from ._regroup import (
 )
 from ._resident import ResidentStrategy
 from ._store import KeptMirrors, Move, PreparedMove, StoreReport, TensorStore
+from ._threads import to_thread
 from ._write import WriteMove, WriteSource, host_backup_bytes
 
 __all__ = [
@@ -78,4 +81,5 @@ __all__ = [
     "regroup_device_bytes",
     "regroup_host_plan",
     "safetensors_regions",
+    "to_thread",
 ]

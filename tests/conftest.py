@@ -19,7 +19,11 @@ it (even one the code under test swallowed) or holds a copy nobody waited for.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
+import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +31,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
+import trio
 
 from lifecycle.testing import (
     DEVICE_LAYER_ENV,
@@ -165,3 +170,31 @@ def _reset_structlog() -> Iterator[None]:
     structlog.reset_defaults()
     yield
     structlog.reset_defaults()
+
+
+#: How long a worker thread pauses after handing back, under ``slow_handback``.
+HANDBACK_PAUSE_S = 0.01
+
+
+@pytest.fixture
+def slow_handback(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Every worker thread pauses right after it hands a result back, to the event loop
+    (asyncio's ``call_soon_threadsafe``, trio's ``run_sync_soon``) or to a future
+    (``set_result``, ``set_exception``), before it drops its own references: what a loaded
+    machine does to it now and then, here every time. Returns the pause (seconds)."""
+    main = threading.main_thread()
+
+    def pausing(original: Callable[..., Any]) -> Callable[..., Any]:
+        def handback(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if threading.current_thread() is not main:
+                time.sleep(HANDBACK_PAUSE_S)
+            return out
+        return handback
+
+    for owner, name in [(asyncio.BaseEventLoop, "call_soon_threadsafe"),
+                        (trio.lowlevel.TrioToken, "run_sync_soon"),
+                        (concurrent.futures.Future, "set_result"),
+                        (concurrent.futures.Future, "set_exception")]:
+        monkeypatch.setattr(owner, name, pausing(getattr(owner, name)))
+    return HANDBACK_PAUSE_S

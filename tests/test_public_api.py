@@ -70,7 +70,7 @@ PROTOCOL_API = {
     "prepare_restore", "needs_restore",
     "DiscardMove", "UndiscardMove", "prepare_discard", "prepare_undiscard",
     "FileSleepMove", "FileWakeMove", "prepare_file_sleep", "prepare_file_wake", "record_files",
-    "forget_files", "covered", "host_backup_bytes",
+    "forget_files", "covered", "host_backup_bytes", "to_thread",
 }
 
 
@@ -171,7 +171,8 @@ def test_lifecycle_imports_only_what_strategies_exports() -> None:
 
 #: The modules of strategies the device layers stand on (nothing of the store or the
 #: strategies above them).
-_DEVICE_LEAVES = ("strategies._errors", "strategies._fileread", "strategies._hostmem")
+_DEVICE_LEAVES = ("strategies._errors", "strategies._fileread", "strategies._hostmem",
+                  "strategies._threads")
 
 
 #: The device-layer modules that pick a checking layer, inside a function: make_device_layer

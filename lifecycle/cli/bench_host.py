@@ -44,6 +44,7 @@ from lifecycle import LifecycleController
 from lifecycle._units import format_bytes, parse_size
 from lifecycle.demo import DemoPipeline
 from lifecycle.demo._checkpoint import write_checkpoint
+from strategies.protocol import to_thread
 
 from ._benchkit import DTYPES, bench_setup
 
@@ -166,7 +167,7 @@ async def measure(args: argparse.Namespace, device: torch.device) -> dict[str, A
         out["wake_seconds"] = {n: s for n, (s, _) in wakes.items()}
         out["exact"] = all(ok for _, ok in wakes.values())
         if not args.no_serve:
-            out["serve"] = await anyio.to_thread.run_sync(_serve_peak, args, root, nbytes)
+            out["serve"] = await to_thread(_serve_peak, args, root, nbytes)
         return out
 
 

@@ -66,6 +66,7 @@ from lifecycle import LifecycleController
 from lifecycle._units import format_bytes, gbps, parse_size
 from lifecycle.demo import DemoPipeline
 from lifecycle.demo._checkpoint import unique_tensors, write_checkpoint
+from strategies.protocol import to_thread
 
 from ._benchkit import (
     DTYPES,
@@ -171,7 +172,7 @@ async def settle(ctl: LifecycleController) -> None:
     measurement (the reference's above all)."""
     for name in ctl.components:
         await ctl.strategy(name).store.land_refresh()
-    await anyio.to_thread.run_sync(ctl.device_layer.synchronize)
+    await to_thread(ctl.device_layer.synchronize)
 
 
 async def bench_updates(args: argparse.Namespace, device: torch.device

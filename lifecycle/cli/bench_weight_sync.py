@@ -40,6 +40,7 @@ from torch import nn
 
 from lifecycle import LifecycleController
 from lifecycle._units import gbps, parse_size
+from strategies.protocol import to_thread
 
 __all__ = ["add_arguments", "run"]
 
@@ -170,7 +171,7 @@ async def measure(size: int, count: int, rounds: int, buckets: list[int], pause:
             await ctl.wake()  # host mirrors current, as after a release/resume in an RL loop
             commands.put(("init", "plain"))
             plain_port = results.get(timeout=TIMEOUT)
-            plain = await anyio.to_thread.run_sync(
+            plain = await to_thread(
                 lambda: _group(_store(plain_port, 2, False), 1, "plain"))
             assert results.get(timeout=TIMEOUT) == "joined"
             commands.put(("init", "sync"))
@@ -192,7 +193,7 @@ async def measure(size: int, count: int, rounds: int, buckets: list[int], pause:
             for _ in range(rounds + 1):  # the first round warms both up
                 await anyio.sleep(pause)
                 commands.put(("broadcast", "plain"))
-                plain_s.append(await anyio.to_thread.run_sync(receive_plain))
+                plain_s.append(await to_thread(receive_plain))
                 assert results.get(timeout=TIMEOUT) == "sent"
                 await anyio.sleep(pause)
                 commands.put(("broadcast", "sync"))

@@ -13,8 +13,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio.to_thread
 import torch
+
+from strategies.protocol import to_thread
 
 from .. import (
     LifecycleController,
@@ -318,7 +319,7 @@ class LocalDriver(Driver):
                      fd_timeout: float) -> Decoded:
         """Entry ``index`` decoded (in a worker thread) into the named tensors of each
         target; raises :class:`~lifecycle.http._wire.WireRefused`."""
-        return await anyio.to_thread.run_sync(functools.partial(
+        return await to_thread(functools.partial(
             decode_entry, text, index, request, self.ctl.components, fd_timeout=fd_timeout))
 
     async def update_decoded(self, named: Decoded, request: TensorRequest) -> UpdateResult:
@@ -356,7 +357,7 @@ class LocalDriver(Driver):
 
     async def decode_ipc(self, info: Mapping[str, Any]) -> Modules:
         """An ipc ``update_info`` decoded (in a worker thread): see :func:`decode_ipc`."""
-        return await anyio.to_thread.run_sync(functools.partial(
+        return await to_thread(functools.partial(
             decode_ipc, info, self.ctl.components))
 
     async def receive(self, serial: int, names: Sequence[str], dtypes: Sequence[str],

@@ -16,8 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Self, TypeVar, cast
 
-import anyio
-import anyio.to_thread
+from strategies.protocol import to_thread
 
 from .. import (
     LifecycleController,
@@ -85,14 +84,14 @@ async def _decoded(local: LocalDriver, channel: OpChannel, seq: int, text: Any, 
     error: str | None = None
     try:
         if callable(text):
-            text = await anyio.to_thread.run_sync(text)
+            text = await to_thread(text)
         named = await local.decode(text, index, request, fd_timeout)
     except WireRefused as exc:
         error = str(exc)
     except RuntimeError as exc:  # the store: the entry never came
         error = f"the entry did not arrive: {exc}"
     del text
-    failures = await anyio.to_thread.run_sync(channel.agree, seq, error, timeout)
+    failures = await to_thread(channel.agree, seq, error, timeout)
     if failures:
         raise WireRefused(describe(failures, channel.world_size))
     assert named is not None
@@ -102,7 +101,7 @@ async def _decoded(local: LocalDriver, channel: OpChannel, seq: int, text: Any, 
 async def _ready(ctl: LifecycleController, channel: OpChannel, seq: int, group_name: str,
                  timeout: float) -> None:
     """Every rank has the weight update group, unbroken; else :class:`WireRefused`."""
-    failures = await anyio.to_thread.run_sync(channel.agree, seq,
+    failures = await to_thread(channel.agree, seq,
                                               group_refusal(ctl, group_name), timeout)
     if failures:
         raise WireRefused(describe(failures, channel.world_size))
@@ -120,7 +119,7 @@ async def _staged_everywhere(local: LocalDriver, channel: OpChannel, seq: int, s
         modules = await arrive()
     except Exception as exc:  # any failure is this rank's vote: the others must not wait
         error = str(exc) or type(exc).__name__
-    failures = await anyio.to_thread.run_sync(channel.agree, seq, error, timeout)
+    failures = await to_thread(channel.agree, seq, error, timeout)
     if failures:
         raise WireRefused(describe(failures, channel.world_size))
     assert modules is not None
@@ -299,7 +298,7 @@ class StageIpc(_Staged):
     async def run(self, ctx: RankContext) -> dict[str, int] | None:
         async def arrive() -> Modules:
             text = ctx.payload if ctx.payload is not None else \
-                await anyio.to_thread.run_sync(ctx.channel.get_raw, self.key)
+                await to_thread(ctx.channel.get_raw, self.key)
             return await ctx.local.decode_ipc({**self.info, "ipc_handles_pickled": text})
 
         return await _staged_everywhere(ctx.local, ctx.channel, ctx.seq, self.serial, arrive,

@@ -38,7 +38,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
-import anyio.to_thread
+
+from strategies.protocol import to_thread
 
 from .. import (
     LifecycleController,
@@ -93,15 +94,15 @@ async def follow(ctl: LifecycleController, local: LocalDriver, channel: OpChanne
 
     async def heartbeat() -> None:
         while True:
-            await anyio.to_thread.run_sync(channel.beat)
+            await to_thread(channel.beat)
             await anyio.sleep(HEARTBEAT_S)
 
-    await anyio.to_thread.run_sync(channel.publish_uuid, local.device_uuid)
+    await to_thread(channel.publish_uuid, local.device_uuid)
     async with anyio.create_task_group() as tg:
         tg.start_soon(heartbeat)
         seq = 1
         while True:
-            op = await anyio.to_thread.run_sync(channel.next_op, seq, abandon_on_cancel=True)
+            op = await to_thread(channel.next_op, seq, abandon_on_cancel=True)
             if op["op"] == "stop":
                 await ctl.aclose()  # detach is collective: rank 0 detaches too
                 channel.answer(seq, {"stopped": True})
@@ -123,7 +124,7 @@ async def _abortable(local: LocalDriver, channel: OpChannel, seq: int, op: Mappi
     async with anyio.create_task_group() as tg:
 
         async def watch() -> None:
-            while not await anyio.to_thread.run_sync(channel.aborted, seq):
+            while not await to_thread(channel.aborted, seq):
                 await anyio.sleep(_ABORT_POLL_S)
             tg.cancel_scope.cancel()
 
@@ -167,7 +168,7 @@ class RankDriver(Driver):
         raises :class:`RanksUnavailable` after ``timeout`` seconds. Until then a call would be
         answered 503 for a rank that is only late to start."""
         deadline = time.monotonic() + timeout
-        while silent := await anyio.to_thread.run_sync(self.channel.silent_ranks):
+        while silent := await to_thread(self.channel.silent_ranks):
             if time.monotonic() > deadline:
                 raise RanksUnavailable(f"rank(s) {silent} did not start within {timeout:g} s")
             await anyio.sleep(HEARTBEAT_S / 10)
@@ -181,13 +182,13 @@ class RankDriver(Driver):
         here; ``after_here``: run once it ran here, whatever happened); rank 0's result and
         every other rank's answer."""
         async with self._lock:
-            silent = await anyio.to_thread.run_sync(self.channel.silent_ranks)
+            silent = await to_thread(self.channel.silent_ranks)
             if silent:
                 raise RanksUnavailable(f"rank(s) {silent} do not respond")
             self._seq += 1
             seq = self._seq
             op = make if isinstance(make, Op) else await make(seq)
-            await anyio.to_thread.run_sync(self.channel.post, seq, op.to_json())
+            await to_thread(self.channel.post, seq, op.to_json())
             try:
                 try:
                     result = await op.run(RankContext(self.local, self.channel, seq, payload))
@@ -200,14 +201,14 @@ class RankDriver(Driver):
                 # A generation aborted here (cancelled) is aborted on every rank.
                 with anyio.CancelScope(shield=True):
                     if isinstance(op, Generate):
-                        await anyio.to_thread.run_sync(self.channel.abort, seq)
-                    await anyio.to_thread.run_sync(self._drop, seq)
+                        await to_thread(self.channel.abort, seq)
+                    await to_thread(self._drop, seq)
                 raise
-            answers = await anyio.to_thread.run_sync(self.channel.answers, seq, self.timeout)
+            answers = await to_thread(self.channel.answers, seq, self.timeout)
             missing = sorted(set(range(1, self.channel.world_size)) - set(answers))
             if missing:
                 raise RanksUnavailable(f"rank(s) {missing} did not answer {op.name}")
-            await anyio.to_thread.run_sync(self.channel.forget, seq)
+            await to_thread(self.channel.forget, seq)
             return result, answers
 
     async def _mine(self, op: Op[R]) -> R:
@@ -259,7 +260,7 @@ class RankDriver(Driver):
             return self.local.device_uuid
         if rank not in self._uuids:
             try:
-                self._uuids[rank] = await anyio.to_thread.run_sync(self.channel.uuid_of, rank)
+                self._uuids[rank] = await to_thread(self.channel.uuid_of, rank)
             except RuntimeError as exc:  # the store's timeout: the rank never started
                 raise RanksUnavailable(f"rank {rank} did not publish its device UUID: "
                                        f"{exc}") from None
@@ -271,9 +272,9 @@ class RankDriver(Driver):
         keys: list[str] = []
         for key, text in entries.items():
             try:
-                keys.extend(await anyio.to_thread.run_sync(self.channel.put_raw, key, text))
+                keys.extend(await to_thread(self.channel.put_raw, key, text))
             except RuntimeError as exc:  # the store failed (a torch.distributed error)
-                await anyio.to_thread.run_sync(self.channel.delete, keys)
+                await to_thread(self.channel.delete, keys)
                 raise RanksUnavailable(f"the ranks' store did not take the payload: "
                                        f"{exc}") from None
         return keys
@@ -303,7 +304,7 @@ class RankDriver(Driver):
                 agree_timeout=self.timeout)
 
         async def delete() -> None:  # every rank has read its entry (or given up)
-            await anyio.to_thread.run_sync(self.channel.delete, list(keys))
+            await to_thread(self.channel.delete, list(keys))
             keys.clear()
 
         try:
@@ -368,7 +369,7 @@ class RankDriver(Driver):
             return StageIpc(serial, key, rest, self.timeout)
 
         async def delete() -> None:  # every rank has read the payload (or given up)
-            await anyio.to_thread.run_sync(self.channel.delete, list(keys))
+            await to_thread(self.channel.delete, list(keys))
             keys.clear()
 
         try:
@@ -427,7 +428,7 @@ class RankDriver(Driver):
         """Tell every rank to detach and stop (rank 0 detaches with them)."""
         async with self._lock:
             self._seq += 1
-            await anyio.to_thread.run_sync(self.channel.post, self._seq, {"op": "stop"})
+            await to_thread(self.channel.post, self._seq, {"op": "stop"})
             with contextlib.suppress(TransitionFailed):  # a rank is gone: nothing to pair with
                 await self.ctl.aclose()
 

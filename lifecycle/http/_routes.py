@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from strategies.protocol import to_thread
 
 from . import _control, _transfer
 from ._answers import Handler, Routes, group_result, transition, update
@@ -99,7 +100,7 @@ async def update_from_disk(request: Request) -> Response:
     timeout = service.file_check_timeout
     try:
         with anyio.fail_after(timeout):
-            irregular = await anyio.to_thread.run_sync(
+            irregular = await to_thread(
                 _irregular_weight_file, path, components, abandon_on_cancel=True)
     except TimeoutError:
         raise refused(f"model_path {path!r} did not answer within {timeout:g} s (a hung file "
@@ -114,7 +115,7 @@ async def update_from_tensor(request: Request) -> Response:
     service = service_of(request)
     raw = await read(request, service.upload_limit, mapped=True)
     # In a worker thread: scanning a gigabyte for its strings takes a while.
-    body = await anyio.to_thread.run_sync(
+    body = await to_thread(
         functools.partial(parse, raw, spans=service.body_limit))
     payloads = field(body, "serialized_named_tensors", "list of strings", required=True)
     if not payloads:

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 

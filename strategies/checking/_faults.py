@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
-import anyio.to_thread
 import torch
 
 from .._fileread import FileRegion
+from .._threads import to_thread
 from ..devices import (
     CpuDevice,
     CudaDevice,
@@ -118,7 +118,7 @@ class FaultInjection(DeviceLayer):
         the armed one, after the reads before it really happened (a real partial write)."""
         reads = list(reads)
         if self.copy_delay or self.jitter:
-            await anyio.to_thread.run_sync(self._delay, self.copy_delay * len(reads))
+            await to_thread(self._delay, self.copy_delay * len(reads))
         fail = None if self.fail_copy_at is None else self.fail_copy_at - self.copies - 1
         if fail is None or not 0 <= fail < len(reads):
             await super().read_file(reads, limiter)

@@ -55,10 +55,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NoReturn
 
-import anyio
-import anyio.to_thread
 import torch
 
+from .._threads import to_thread
 from ..devices import CopyHandle, CopyPair, CpuDevice, Tier
 
 __all__ = ["POISON", "OrderingDevice", "OrderingViolation", "Violations", "check_ordering",
@@ -314,7 +313,7 @@ class OrderingDevice(CpuDevice):
         self._ord_log.raise_recorded()
         if pairs:
             # abandon_on_cancel=False: a cancelled caller waits for the thread to finish.
-            await anyio.to_thread.run_sync(self._ord_copy_now, list(pairs), to,
+            await to_thread(self._ord_copy_now, list(pairs), to,
                                            limiter=self._limiter)
 
     def _ord_copy_now(self, pairs: list[CopyPair], to: Tier) -> None:

@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 import anyio
-import anyio.to_thread
 import torch
 
+from .._threads import to_thread
 from ._cudart import CudaRuntime, Event, Stream, TorchCuda
 from ._device import CopyHandle, CopyPair, DeviceLayer, Tier, UnsupportedCompute, Worker
 
@@ -258,13 +258,13 @@ class CudaDevice(DeviceLayer):
         # Host-to-host pairs (update backups, restores of host-placed tensors) are a plain
         # memcpy: a worker thread does them, so the event loop never blocks on them.
         if on_host:
-            await anyio.to_thread.run_sync(self._copy_batch, on_host, limiter=self._limiter)
+            await to_thread(self._copy_batch, on_host, limiter=self._limiter)
         # A pageable host side (update sources: user tensors, memory-mapped safetensors;
         # host backups): copy_ from it would run synchronously on the event loop at about half
         # the pinned rate, taking its page faults (disk reads) there. Staged instead.
         if pageable:
             with anyio.CancelScope(shield=True):  # a started copy is never abandoned
-                await anyio.to_thread.run_sync(self._staged, pageable, limiter=self._limiter)
+                await to_thread(self._staged, pageable, limiter=self._limiter)
         if not direct:
             return
         event, _, error = self._enqueue(direct, to)
@@ -272,7 +272,7 @@ class CudaDevice(DeviceLayer):
         # tensors or frees buffers only after the bytes landed, so no stream wait is queued
         # on compute (it would stall a running forward behind a prefetch).
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._host_wait, event, limiter=self._limiter)
+            await to_thread(self._host_wait, event, limiter=self._limiter)
         if error is not None:
             raise error
 
@@ -358,7 +358,7 @@ class CudaDevice(DeviceLayer):
 
     async def release_cache(self, limiter: anyio.CapacityLimiter | None = None) -> None:
         # empty_cache synchronizes the device: a worker thread waits, the loop keeps serving.
-        await anyio.to_thread.run_sync(self.empty_cache, limiter=limiter)
+        await to_thread(self.empty_cache, limiter=limiter)
 
     def memory_allocated(self) -> int | None:
         return self._rt.memory().allocated

@@ -28,13 +28,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import anyio
-import anyio.to_thread
 import torch
 from torch import nn
 
 from .._errors import ResidencyError
 from .._fileread import FileRegion, read_regions
 from .._hostmem import HostLedger
+from .._threads import released, to_thread
 
 __all__ = [
     "CopyHandle",
@@ -108,12 +108,15 @@ class Worker:
         self.closed = False
         Worker._all.add(self)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def submit(self, fn: Callable[..., object], *args: Any) -> Future[None]:
+        """``fn(*args)`` on the thread, after the work handed to it before; the future
+        tells when it is done (or what it raised): the thread has let go of ``fn`` and
+        ``args`` by then (strategies._threads)."""
         with self._lock:
             self.closed = False
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
-            return self._pool.submit(fn, *args)
+            return self._pool.submit(released(fn, *args))
 
     def close(self) -> None:
         with self._lock:
@@ -270,8 +273,8 @@ class DeviceLayer:
         its cache (torch frees cached blocks: it waits for their events, and ``cudaFree``
         synchronizes the device), an arena mapped through the driver, page-locking, a wait
         for the layer's refresh thread. ``abandon_on_cancel``: as anyio's (for a wait)."""
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._off_loop,
-                                              abandon_on_cancel=abandon_on_cancel)
+        return await to_thread(fn, *args, limiter=self._off_loop,
+                               abandon_on_cancel=abandon_on_cancel)
 
     # -- peak tracking ---------------------------------------------------------------
     # A tracked storage's death costs a C-level list append (its weak reference's callback),
@@ -499,4 +502,4 @@ class CpuDevice(DeviceLayer):
     async def copy(self, pairs: Sequence[CopyPair], to: Tier) -> None:
         if pairs:
             # abandon_on_cancel=False: a cancelled caller waits for the thread to finish.
-            await anyio.to_thread.run_sync(self._copy_batch, list(pairs), limiter=self._limiter)
+            await to_thread(self._copy_batch, list(pairs), limiter=self._limiter)

@@ -102,6 +102,28 @@ async def test_a_file_backed_sleep_holds_no_host_copy_and_wakes_bit_exact(
     assert torch.equal(await output(ctl, pipe), expected)
 
 
+async def test_a_refused_wake_has_freed_what_it_allocated_when_it_raises(
+        make: Make, slow_handback: float) -> None:
+    """A wake refused by a changed file after the components before it were read back, and
+    rolled back: every device buffer it allocated is free when it raises, even while the
+    worker threads that allocated them and read into them are slow to let go."""
+    ctl, pipe, expected, root = await make("vae=component-offload")
+    assert (await ctl.sleep()).success
+    held, report = ctl.device_layer.held_bytes, ctl.report()
+    path = root / "vae" / "model.safetensors"
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    allocations = ctl.device_layer.allocations
+    with pytest.raises(CheckpointChanged):
+        await ctl.wake()
+    assert ctl.device_layer.allocations > allocations  # (it had allocated)
+    assert ctl.device_layer.held_bytes == held
+    assert ctl.report() == report  # the allocator's own count too (CUDA layers)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (await ctl.wake()).success
+    assert torch.equal(await output(ctl, pipe), expected)
+
+
 @pytest.mark.parametrize("change", ["touched", "resized", "removed"])
 async def test_a_file_changed_or_removed_while_asleep_refuses_the_wake_naming_it(
         make: Make, change: str) -> None:
