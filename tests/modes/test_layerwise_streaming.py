@@ -226,3 +226,30 @@ async def test_layerwise_streams_every_listed_block_list() -> None:
         async with ctl.use("transformer"):
             assert torch.equal(module(x_in()), reference(x_in()))
     assert ctl.report().components["transformer"].device_bytes == (DIM * DIM + DIM) * 4
+
+
+async def test_a_layer_written_during_its_forward_is_copied_back_before_its_copy_is_read() -> None:
+    """A layer whose weights a forward wrote in place (a hook adding to a bias: its version
+    moved) is copied back to its host copy when evicted, and the host waits for that copy
+    before the layer points at it: the next forwards read the written weights, and so do
+    a sleep and a wake."""
+    ctl, model, reference, _ = await attach_layerwise(layerwise_config(1.0, 0.0))
+
+    def write(block: nn.Module, args: tuple[object, ...]) -> None:
+        with torch.no_grad():
+            block.fc1.bias.add_(0.5)  # type: ignore[union-attr, operator]
+
+    for m in (model, reference):
+        m.blocks[2].register_forward_pre_hook(write)
+    x = x_in()
+    async with ctl:
+        for _ in range(3):
+            with torch.no_grad():
+                async with ctl.use("transformer"):
+                    assert torch.equal(model(x), reference(x))
+        assert (await ctl.sleep()).success and (await ctl.wake()).success
+        for (name, got), want in zip(model.state_dict().items(),
+                                     reference.state_dict().values(), strict=True):
+            assert torch.equal(got, want), name
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
