@@ -100,14 +100,13 @@ class CudaDevice(DeviceLayer):
         self._rt: CudaRuntime = runtime if runtime is not None else TorchCuda(device)
         #: Whether the copy streams are the layer's own (else torch's pooled ones: logged).
         self.own_streams = True
-        with self._rt.use_device():
-            self._streams: dict[Tier, Stream] = {"device": self._new_stream(),
-                                                 "host": self._new_stream()}
-            self._default = self._rt.default_stream()
         # Storages recorded on a copy stream (record_stream) still alive: the allocator records
         # an event on that stream when it frees them, so the streams outlive them.
         self._recorded = 0
         self._recorded_lock = threading.Lock()
+        with self._rt.use_device():
+            self._stream_map: dict[Tier, Stream] = self._new_streams()
+            self._default = self._rt.default_stream()
         self._limiter = anyio.CapacityLimiter(2)
         self.stage_bytes = _STAGE  # bytes per pinned staging buffer
         self._stage: list[torch.Tensor] | None = None  # two pinned staging buffers, on need
@@ -115,6 +114,22 @@ class CudaDevice(DeviceLayer):
         # Pinned memory is unregistered (a synchronizing call) in a thread of the layer's
         # own, never in the thread that dropped the last reference (often the event loop).
         self._unpin = Worker("residency-unpin")
+
+    def _new_streams(self) -> dict[Tier, Stream]:
+        return {"device": self._new_stream(), "host": self._new_stream()}
+
+    @property
+    def _streams(self) -> dict[Tier, Stream]:
+        """The copy streams; made again when the layer is used after :meth:`close` destroyed
+        them (a controller closed and attached again: its threads start again too)."""
+        streams = self._stream_map
+        if not streams:
+            with self._recorded_lock:
+                if not self._stream_map:
+                    with self._rt.use_device():
+                        self._stream_map = self._new_streams()
+                streams = self._stream_map
+        return streams
 
     def _new_stream(self) -> Stream:
         stream = self._rt.own_stream()
@@ -413,9 +428,9 @@ class CudaDevice(DeviceLayer):
         (a dropped prefetch's buffer kept by someone): its free records an event on the
         stream, so they are kept for the process then (two streams)."""
         with self._recorded_lock:
-            if not self.own_streams or self._recorded or not self._streams:
+            if not self.own_streams or self._recorded or not self._stream_map:
                 return
-            streams, self._streams = list(self._streams.values()), {}
+            streams, self._stream_map = list(self._stream_map.values()), {}
         with self._rt.use_device():
             for stream in streams:
                 self._rt.destroy_stream(stream)  # what is queued on it still completes

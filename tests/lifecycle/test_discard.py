@@ -24,7 +24,7 @@ from lifecycle.testing import FaultInjection
 from tests.helpers import faulty_device
 from tests.models.zoo import CASES
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.moves]
 
 SIZE = 2**20
 MODES = ["resident", "component-offload", "snapshot-offload", "layerwise-offload"]
@@ -34,11 +34,15 @@ Served = tuple[LifecycleController, DemoPipeline, torch.Tensor, dict[str, torch.
 
 
 async def served(mode: str, layer: FaultInjection | None = None, **kwargs: object) -> Served:
-    """A demo pipeline with its transformer in ``mode``, its output, its transformer weights."""
+    """A demo pipeline with its transformer in ``mode``, its output, its transformer weights;
+    placed in the layer's device memory before attach (``model.to("cuda")``: its first
+    sleep copies every byte, and each copy is a point a fault can hit)."""
     pipe = DemoPipeline.build(SIZE)
     expected = pipe.forward_sync(steps=2)
     state = {k: v.clone() for k, v in pipe.modules["transformer"].state_dict().items()}
-    ctl = LifecycleController(device_layer=layer or faulty_device(),
+    layer = layer or faulty_device()
+    layer.place(*pipe.modules.values())
+    ctl = LifecycleController(device_layer=layer,
                               residency=f"transformer={mode}", **kwargs)  # type: ignore[arg-type]
     await ctl.attach(pipe)
     return ctl, pipe, expected, state

@@ -21,6 +21,7 @@ def copier_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("residency-copy")]
 
 
+@pytest.mark.moves  # (the cuda-sim pass: its layer is closed, then used again)
 async def test_async_with_detaches_and_the_controller_can_be_used_again() -> None:
     """Leaving ``async with LifecycleController(...)`` detaches the pipeline (weights left
     on the host, hooks removed); the controller can attach again after."""

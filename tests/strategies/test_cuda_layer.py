@@ -421,7 +421,6 @@ def test_close_destroys_the_layers_streams_unless_a_buffer_recorded_on_one_lives
     streams = list(layer.streams.values())
     layer.close()
     assert [getattr(s, "destroyed", None) for s in streams] == [True, True]
-    assert layer.streams == {}
     layer = sim_cuda_layer()
     streams = list(layer.streams.values())
     buf, mirror = layer.alloc(64, "device"), layer.alloc(64, "host")
@@ -429,6 +428,24 @@ def test_close_destroys_the_layers_streams_unless_a_buffer_recorded_on_one_lives
     layer.close()
     assert [getattr(s, "destroyed", None) for s in streams] == [False, False]
     del buf  # freed after close: recorded on a stream that still exists
+    assert check_cuda_sim() == []
+
+
+def test_a_closed_layer_used_again_copies_on_new_streams_of_its_own() -> None:
+    """A layer used after close (a controller closed, then attached again) makes two new
+    copy streams on its first copy: the copies land, on neither destroyed stream."""
+    layer = sim_cuda_layer()
+    old = list(layer.streams.values())
+    layer.close()
+    buf, mirror = layer.alloc(64, "device"), layer.alloc(64, "host")
+    mirror.fill_(7)
+    layer.start_copy([(buf, mirror)], "device").wait_host()
+    new = list(layer.streams.values())
+    assert len(new) == 2 and not {id(s) for s in new} & {id(s) for s in old}
+    assert [getattr(s, "destroyed", None) for s in new] == [False, False]
+    assert torch.equal(buf, mirror)
+    layer.close()
+    assert [getattr(s, "destroyed", None) for s in new] == [True, True]
     assert check_cuda_sim() == []
 
 
