@@ -29,7 +29,8 @@ from tests.http.attacks import MiB, Target, b64, health_watch, serve
 from tests.http.server import running_server
 from tests.ranks.trainer import Trainer, free_port
 
-pytestmark = [pytest.mark.service, pytest.mark.moves]
+# Not marked `service` or `moves`: the cuda-sim pass does not rerun the service's attack
+# suites (scripts/test); the server's device work here is an update like any other.
 
 GROUP = "weight_update_group"
 DNS = {"RES_OPTIONS": "timeout:1 attempts:1"}  # see tests/ranks/trainer.py
