@@ -31,7 +31,6 @@ from typing import Any
 import pytest
 import structlog
 import torch
-import trio
 
 from lifecycle.testing import (
     DEVICE_LAYER_ENV,
@@ -191,6 +190,9 @@ def slow_handback(monkeypatch: pytest.MonkeyPatch) -> float:
                 time.sleep(HANDBACK_PAUSE_S)
             return out
         return handback
+
+    # (trio imported here: the GPU run's image has no trio, and loads this file too)
+    import trio
 
     for owner, name in [(asyncio.BaseEventLoop, "call_soon_threadsafe"),
                         (trio.lowlevel.TrioToken, "run_sync_soon"),

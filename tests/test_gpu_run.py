@@ -296,3 +296,35 @@ def test_pytest_runs_with_only_the_suites_plugin_a_faulthandler_timeout_and_reco
     assert strict[strict.index("--gpu-targets") + 1] == "assert" and "--gpu" in strict
     env = script.child_env(tmp_path)
     assert (env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"], env["PYTHONFAULTHANDLER"]) == ("1", "1")
+
+
+#: What the GPU machine's offline image lacks (docs/development.md, The GPU run), not carried
+#: as wheels either: nothing the GPU suites import at load may need them.
+NOT_ON_THE_IMAGE = ("trio", "starlette", "uvicorn", "diffusers", "transformers", "httpx",
+                    "hypothesis", "xdist", "pytest_cov")
+
+_WITHOUT = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not on the GPU image)")
+        return None
+sys.meta_path.insert(0, Absent())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "anyio.pytest_plugin", "-p", "no:cacheprovider",
+                      "tests/gpu"]))
+"""
+
+
+def test_the_gpu_suites_load_without_the_packages_the_gpu_image_lacks() -> None:
+    """tests/conftest.py, tests/gpu and what they import at load need none of the packages
+    the GPU machine's image lacks (a top-level ``import trio`` there stopped the GPU run
+    before its first test; the rehearsal on the image's packages found it)."""
+    env = {k: v for k, v in os.environ.items() if k != "RESIDENCY_DEVICE_LAYER"}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT.format(blocked=NOT_ON_THE_IMAGE)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "tests collected" in proc.stdout
