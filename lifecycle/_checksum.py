@@ -215,6 +215,5 @@ class Checksums:
         async with self._lock:
             component = self._components.component(target)
             refuse_stale([component])  # its stale tensors hold undefined values
-            return await to_thread(check_hashes, component.strategy.store,
-                                                  target, wanted,
-                                                  limiter=self._threads)
+            return await to_thread(check_hashes, component.strategy.store, target, wanted,
+                                   limiter=self._threads)

@@ -176,8 +176,7 @@ class Measurer:
         256 MiB): allocators behave differently at different sizes."""
         typical = max((max(s.layers) if s.layers else s.whole for s in sizes), default=2**20)
         nbytes = min(max(typical, 2**20), 256 * 2**20)
-        return await to_thread(self._layer.measure_link, nbytes,
-                                              limiter=self._threads)
+        return await to_thread(self._layer.measure_link, nbytes, limiter=self._threads)
 
     async def _record(self, warmup: Request) -> tuple[tuple[Use, ...], float, int]:
         """Run ``warmup`` once, recording every use; returns the uses, the seconds outside

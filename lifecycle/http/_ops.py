@@ -101,8 +101,7 @@ async def _decoded(local: LocalDriver, channel: OpChannel, seq: int, text: Any, 
 async def _ready(ctl: LifecycleController, channel: OpChannel, seq: int, group_name: str,
                  timeout: float) -> None:
     """Every rank has the weight update group, unbroken; else :class:`WireRefused`."""
-    failures = await to_thread(channel.agree, seq,
-                                              group_refusal(ctl, group_name), timeout)
+    failures = await to_thread(channel.agree, seq, group_refusal(ctl, group_name), timeout)
     if failures:
         raise WireRefused(describe(failures, channel.world_size))
 
